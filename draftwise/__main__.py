@@ -1,0 +1,5 @@
+import sys
+
+from draftwise.cli import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""Command line: `draftwise generate`, `draftwise models`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftwise.errors import DraftwiseError
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from draftwise.llm import LLM
+    from draftwise.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=args.stop or None)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    if not args.chat:
+        print(prompt, end="", flush=True)
+    final = None
+    for delta in llm.stream(prompt, params):
+        print(delta.text, end="", flush=True)
+        final = delta.output
+    print()
+    if final is not None:
+        print(f"[{final.metrics.summary()}; finish: {final.finish_reason}]", file=sys.stderr)
+
+
+def _models(args: argparse.Namespace) -> None:
+    from draftwise.loading.cache_dir import CACHE_ENV, cache_root
+    from draftwise.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET, KNOWN_MODELS
+    from draftwise.loading.resolve import known_model_file
+
+    print(f"cache: {cache_root()}  (set {CACHE_ENV} to move it)")
+    for name, model in KNOWN_MODELS.items():
+        role = " [default target]" if name == DEFAULT_TARGET else " [default draft]" if name == DEFAULT_DRAFT else ""
+        path = known_model_file(name)
+        state = f"assembled at {path}" if path.is_file() else "not fetched yet (fetched on first use)"
+        print(f"{name:<22}{model.description}{role}\n{'':<22}{model.size / 2**20:,.0f} MiB, {state}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draftwise.loading.registry import DEFAULT_TARGET
+
+    parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding for LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text from a prompt, streaming it")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default=DEFAULT_TARGET, help="known name, GGUF file or HF folder")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    generate.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
+    generate.set_defaults(run=_generate)
+
+    models = commands.add_parser("models", help="list known models and where they are cached")
+    models.set_defaults(run=_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except DraftwiseError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""What a request returns: text, token ids, why it stopped and how fast it ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    arrival_time: float  # time.perf_counter() seconds
+    first_token_time: float | None
+    finish_time: float | None
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from arrival to the last token."""
+        return (self.finish_time or self.arrival_time) - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens over the whole request time (prefill included)."""
+        return self.num_generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, over the time after the first (the decode rate)."""
+        if self.first_token_time is None or self.finish_time is None or self.num_generated_tokens < 2:
+            return 0.0
+        elapsed = self.finish_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / elapsed if elapsed > 0 else 0.0
+
+    def summary(self) -> str:
+        ttft = self.time_to_first_token
+        return (f"{self.num_generated_tokens} tokens in {self.seconds:.2f} s "
+                f"({self.tokens_per_second:.2f} tok/s; decode {self.decode_tokens_per_second:.2f} tok/s; "
+                f"prompt {self.num_prompt_tokens} tokens, first token after {ttft or 0:.2f} s)")
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", or None while running
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: one completion per request."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]

@@ -1,0 +1,110 @@
+"""One request's state while it runs, and the rules that end it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draftwise.engine.outputs import RequestMetrics, RequestOutput
+from draftwise.sampling.params import SamplingParams
+from draftwise.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_len: int, device: torch.device) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.row: int | None = None  # cache row while running
+        self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
+        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self._text_end: int | None = None  # where a stop string cut the text
+        self._streamed = 0  # characters of text already handed out as deltas
+        self.metrics = RequestMetrics(len(prompt_token_ids), 0, time.perf_counter(), None, None)
+
+    # --- tokens -----------------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_ids: list[int]) -> int:
+        """Commit tokens in order until one ends the request; return how many were committed.
+
+        Checking token by token makes a run of several accepted tokens stop exactly where
+        one-token-at-a-time decoding would: nothing after EOS, a stop string or the limit is kept.
+        """
+        committed = 0
+        now = time.perf_counter()
+        if self.metrics.first_token_time is None and token_ids:
+            self.metrics.first_token_time = now
+        for token in token_ids:
+            if self.finished:
+                break
+            self.output_ids.append(token)
+            committed += 1
+            if token in self._eos_token_ids or token in self._stop_token_ids:
+                self.finish_reason = "stop"
+            else:
+                delta = self._detokenizer.add([token])
+                if delta and self._find_stop_string(len(delta)):
+                    self.finish_reason = "stop"
+            if not self.finished and len(self.output_ids) >= self._max_new:
+                self.finish_reason = "length"
+        self.metrics.num_generated_tokens = len(self.output_ids)
+        if self.finished:
+            self._detokenizer.flush()
+            self.metrics.finish_time = now
+        return committed
+
+    def finish(self, reason: str) -> None:
+        """End the request from outside (cancelled, say)."""
+        if not self.finished:
+            self.finish_reason = reason
+            self._detokenizer.flush()
+            self.metrics.finish_time = time.perf_counter()
+
+    # --- text -------------------------------------------------------------------------------
+    def _find_stop_string(self, delta_length: int) -> bool:
+        text = self._detokenizer.text
+        for stop in self.params.stop:
+            start = max(0, len(text) - delta_length - len(stop) + 1)
+            index = text.find(stop, start)
+            if index != -1:
+                self._text_end = index + (len(stop) if self.params.include_stop_str_in_output else 0)
+                return True
+        return False
+
+    @property
+    def text(self) -> str:
+        return self._detokenizer.text[:self._text_end]
+
+    def take_text_delta(self) -> str:
+        """Text not yet handed out. While running, text that could be the start of a stop string
+        is held back, so a stream never shows what the final text will not contain."""
+        text = self.text
+        end = len(text)
+        if not self.finished:
+            for stop in self.params.stop:
+                for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                    if text.endswith(stop[:n]):
+                        end = min(end, len(text) - n)
+                        break
+        delta = text[self._streamed:end]
+        self._streamed = max(self._streamed, end)
+        return delta
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
+                             list(self.output_ids), self.finish_reason, self.metrics)

@@ -1,0 +1,29 @@
+"""Errors that reach users. Each names the thing that is wrong and what to do about it."""
+
+
+class DraftwiseError(Exception):
+    """Base class: everything draftwise raises on bad input derives from it."""
+
+
+class ModelNotFoundError(DraftwiseError):
+    """A model name or path that resolves to nothing."""
+
+
+class ModelFormatError(DraftwiseError):
+    """A model file that is corrupt, truncated or of an unsupported kind."""
+
+
+class ChecksumError(DraftwiseError):
+    """Assembled weights whose sha256 is not the pinned one."""
+
+
+class InvalidParameterError(DraftwiseError, ValueError):
+    """A sampling or engine parameter outside its allowed range."""
+
+
+class PromptTooLongError(DraftwiseError, ValueError):
+    """A prompt that, with its requested tokens, does not fit the context."""
+
+
+class FetchError(DraftwiseError):
+    """Weights that could not be obtained from their pinned packages."""

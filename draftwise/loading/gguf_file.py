@@ -1,0 +1,155 @@
+"""Read a GGUF file: model shape, tokenizer metadata and dequantized tensors under Hugging Face names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from draftwise.errors import ModelFormatError, ModelNotFoundError
+from draftwise.model.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    return None
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE reordering of Q/K rows ([out, in] or bias [out])."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows of `llama` models (the inverse of the above)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+class GGUFFile:
+    def __init__(self, path: Path) -> None:
+        import gguf  # imported here: only conversion needs it
+
+        self.path = path
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path}: no such file")
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":
+            raise ModelFormatError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except Exception as error:  # the reader raises bare ValueError/IndexError on damaged files
+            raise ModelFormatError(f"{path}: corrupt or truncated GGUF file ({type(error).__name__}: {error})") from None
+        self._check_extents()
+        self.metadata = {name: self._field(name) for name in self._reader.fields if not name.startswith("GGUF.")}
+        self.architecture = self.metadata.get("general.architecture")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelFormatError(
+                f"{path}: architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        self.config = self._config()
+
+    def _field(self, name: str):
+        try:
+            return self._reader.fields[name].contents()
+        except Exception as error:
+            raise ModelFormatError(f"{self.path}: metadata field {name!r} is unreadable ({error})") from None
+
+    def _check_extents(self) -> None:
+        size = self.path.stat().st_size
+        for tensor in self._reader.tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise ModelFormatError(
+                    f"{self.path}: truncated GGUF file: tensor {tensor.name!r} ends at byte {end:,} "
+                    f"but the file has {size:,} bytes"
+                )
+
+    def _config(self) -> ModelConfig:
+        arch, meta = self.architecture, self.metadata
+        names = {tensor.name for tensor in self._reader.tensors}
+
+        def get(key: str, default=None):
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelFormatError(f"{self.path}: metadata {arch}.{key} is missing")
+            return value
+
+        if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+            raise ModelFormatError(f"{self.path}: RoPE scaling is not supported yet")
+        heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        return ModelConfig(
+            model_type=arch,
+            vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_hidden_layers=int(get("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(get("context_length", 4096)),
+            attention_bias="blk.0.attn_q.bias" in names,
+            tie_word_embeddings="output.weight" not in names,
+        )
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self._reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(Hugging Face name, float32 array in PyTorch's [out, in] layout) for each tensor."""
+        from gguf.quants import dequantize
+
+        for tensor in self._reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                raise ModelFormatError(f"{self.path}: unexpected tensor {tensor.name!r}")
+            try:
+                array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            except NotImplementedError:
+                raise ModelFormatError(
+                    f"{self.path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
+                ) from None
+            shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+            array = array.reshape(shape)
+            if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+                heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+                array = unpermute_rotary(array, heads)
+            yield name, array

@@ -1,0 +1,91 @@
+"""Load a Hugging Face style folder (config.json + *.safetensors) into a `Transformer`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from draftwise.errors import ModelFormatError
+from draftwise.model.config import ModelConfig
+from draftwise.model.onednn_linear import pack_linear_layers
+from draftwise.model.transformer import Transformer
+
+
+def read_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    try:
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()), source=str(path))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelFormatError(f"{path}: unreadable ({error})") from None
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{folder}: no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name.removeprefix("model.")] = handle.get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise ModelFormatError(f"{file}: corrupt or truncated safetensors file ({error})") from None
+    return tensors
+
+
+def _fused_state(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face tensors to ours, fusing q/k/v and gate/up into single matrices."""
+    def take(name: str) -> torch.Tensor:
+        try:
+            return tensors.pop(name)
+        except KeyError:
+            raise ModelFormatError(f"weight {name!r} is missing from the checkpoint") from None
+
+    state = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    lm_head = tensors.pop("lm_head.weight", None)
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = lm_head if lm_head is not None else take("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        state[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        state[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        state[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")])
+        if config.attention_bias:
+            state[dst + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")])
+        state[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        state[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")])
+        state[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight")
+    leftover = [name for name in tensors if not name.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ModelFormatError(f"unexpected weights in the checkpoint: {', '.join(leftover[:5])}")
+    return state
+
+
+def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               pack_cpu_weights: bool = True) -> Transformer:
+    """Build the model on `device` in `dtype`; fp32 CPU weights are prepacked for oneDNN unless told not to."""
+    config = read_config(folder)
+    try:
+        state = _fused_state(_read_tensors(folder), config)
+    except ModelFormatError as error:
+        raise ModelFormatError(f"{folder}: {error}") from None
+    with torch.device("meta"):
+        model = Transformer(config)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.to(device=device, dtype=dtype)
+    model.eval().requires_grad_(False)
+    if pack_cpu_weights:
+        pack_linear_layers(model)
+    return model

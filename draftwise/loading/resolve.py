@@ -1,0 +1,42 @@
+"""Turn what a user names (a short name, a GGUF file, a Hugging Face folder) into a loadable folder."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from draftwise.errors import ModelNotFoundError
+from draftwise.loading.cache_dir import cache_root
+from draftwise.loading.convert import CONVERTER_VERSION, convert_gguf, is_converted
+from draftwise.loading.fetch import assemble
+from draftwise.loading.registry import KNOWN_MODELS
+
+
+def known_model_file(name: str) -> Path:
+    return cache_root() / "models" / f"{name}.gguf"
+
+
+def resolve_model(model: str, progress: bool = True) -> Path:
+    """Return a folder with config.json, tokenizer.json and safetensors for `model`."""
+    if model in KNOWN_MODELS:
+        known = KNOWN_MODELS[model]
+        gguf_path = known_model_file(model)
+        if not gguf_path.is_file():
+            assemble(known, gguf_path, progress=progress)
+        folder = cache_root() / "converted" / f"{model}-{known.sha256[:12]}-v{CONVERTER_VERSION}"
+        return folder if is_converted(folder) else convert_gguf(gguf_path, folder, progress=progress)
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path}: a folder without config.json is not a Hugging Face model folder")
+        return path
+    if path.is_file():
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        folder = cache_root() / "converted" / f"{path.stem}-{key}-v{CONVERTER_VERSION}"
+        return folder if is_converted(folder) else convert_gguf(path, folder, progress=progress)
+    raise ModelNotFoundError(
+        f"unknown model {model!r}: not a known name ({', '.join(KNOWN_MODELS)}) "
+        "and no GGUF file or model folder at that path"
+    )

@@ -1,0 +1,53 @@
+"""Grouped-query self-attention over a KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftwise.model.config import ModelConfig
+from draftwise.model.kv_cache import KVCacheView
+from draftwise.model.layers import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, H]
+        positions: torch.Tensor,  # [B, S]
+        cos: torch.Tensor,  # [B, 1, S, D]
+        sin: torch.Tensor,  # [B, 1, S, D]
+        cache: KVCacheView | None,
+        kv_length: int,  # keys to attend over: max(position) + 1 in this batch
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+
+        if cache is None:
+            key_positions = positions  # [B, T=S]
+        else:
+            cache.write(self.layer_index, k, v)
+            k, v = cache.read(self.layer_index, kv_length)  # [B, Hkv, T, D]
+            key_positions = torch.arange(kv_length, device=x.device)[None, :]  # [1, T]
+        # A query at position p sees every key at a position <= p: causal and rollback-safe.
+        mask = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, T]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

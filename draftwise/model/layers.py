@@ -1,0 +1,51 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, S, D] for positions [B, S] (the half-split layout of Hugging Face Llama)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+    angles = positions[..., None].float() * inv_freq  # [B, S, D/2]
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, S, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, S, D] by the position angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matrix product."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

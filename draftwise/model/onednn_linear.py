@@ -1,0 +1,44 @@
+"""Linear layers with weights prepacked for oneDNN: the fast fp32 path on CPUs.
+
+Measured on this project's 2-core machine (a 9728x896 fp32 weight): `F.linear` takes 2.3 ms for
+one row and grows linearly to ~4.5 ms at 3-4 rows, while oneDNN with a prepacked weight takes
+0.9 ms for one row and 2.0 ms for eight. Decoding reads every weight once per step, and
+speculative verification runs k+1 rows, so this curve sets both plain speed and what
+speculation can gain on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class OneDNNLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed_weight = linear.weight.detach().to_mkldnn()  # opaque oneDNN layout, [out, in]
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every fp32 CPU `nn.Linear` in `model` by a `OneDNNLinear`; returns how many."""
+    if not onednn_available():
+        return 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, OneDNNLinear(child))
+    return len(targets)

@@ -1,0 +1,102 @@
+"""The narrow interface between the engine and a model backend.
+
+The engine hands the runner a ragged batch (each row: a cache row and the new token ids to append
+to it) and gets back logits for the last positions of each row that it asked for. Rows keep their
+own lengths; rollback is `truncate(row, n)`. Another backend (quantized kernels, say) implements
+the same methods without the speculation code noticing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftwise.errors import PromptTooLongError
+from draftwise.model.kv_cache import KVCache
+from draftwise.model.transformer import Transformer
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    logits: torch.Tensor  # [N, V]: N = sum of num_logits over rows, row after row
+    cu_num_logits: list[int]  # [B + 1]: row b's logits are logits[cu[b]:cu[b+1]]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, H] at the same positions
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, max_num_rows: int, max_len: int) -> None:
+        self.model = model
+        config = model.config
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.vocab_size = config.vocab_size
+        self.max_len = max_len
+        self.cache = KVCache(config.num_hidden_layers, max_num_rows, max_len, config.num_key_value_heads,
+                             config.head_dim, self.dtype, self.device)
+        self._free_rows = list(range(max_num_rows - 1, -1, -1))
+
+    # --- rows -------------------------------------------------------------------------------
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def allocate(self) -> int:
+        row = self._free_rows.pop()
+        self.cache.lengths[row] = 0
+        return row
+
+    def free(self, row: int) -> None:
+        self.cache.free(row)
+        self._free_rows.append(row)
+
+    def length(self, row: int) -> int:
+        return self.cache.lengths[row]
+
+    def truncate(self, row: int, length: int) -> None:
+        self.cache.truncate(row, length)
+
+    # --- forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        rows: list[int],
+        token_ids: list[list[int]],
+        num_logits: list[int],
+        *,
+        num_layers: int | None = None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardResult:
+        """Append token_ids[b] to cache row rows[b] and return logits for its last num_logits[b] tokens."""
+        lengths = [self.cache.lengths[row] for row in rows]
+        counts = [len(ids) for ids in token_ids]
+        for row, length, count in zip(rows, lengths, counts):
+            if length + count > self.max_len:
+                raise PromptTooLongError(
+                    f"sequence needs {length + count} positions but the context holds {self.max_len}")
+        width = max(counts)
+        kv_length = max(length + count for length, count in zip(lengths, counts))
+        padded = [ids + [0] * (width - len(ids)) for ids in token_ids]
+        # Padding positions continue the row (capped inside the keys read); their outputs are dropped.
+        positions = [[min(length + s, kv_length - 1) for s in range(width)] for length in lengths]
+        valid = None if min(counts) == width else [[s < count for s in range(width)] for count in counts]
+
+        token_tensor = torch.tensor(padded, device=self.device)  # [B, S]
+        position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
+        valid_tensor = None if valid is None else torch.tensor(valid, device=self.device)  # [B, S]
+        view = self.cache.view(rows, position_tensor, valid_tensor)
+        hidden, captured = self.model.hidden_states(
+            token_tensor, position_tensor, view, kv_length=kv_length,
+            num_layers=num_layers, capture_layers=capture_layers)
+
+        # Gather only the positions whose logits were asked for: the LM head is the costliest matmul.
+        batch_index = [b for b, n in enumerate(num_logits) for _ in range(n)]
+        seq_index = [counts[b] - n + i for b, n in enumerate(num_logits) for i in range(n)]
+        picked = hidden[batch_index, seq_index]  # [N, H]
+        logits = self.model.logits(picked)  # [N, V]
+        for row, length, count in zip(rows, lengths, counts):
+            self.cache.lengths[row] = length + count
+        cu = [0]
+        for n in num_logits:
+            cu.append(cu[-1] + n)
+        return ForwardResult(logits, cu, {layer: h[batch_index, seq_index] for layer, h in captured.items()})

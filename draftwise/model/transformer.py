@@ -1,0 +1,83 @@
+"""One PyTorch implementation of the Llama family (Llama, Qwen2, Mistral, SmolLM).
+
+RMSNorm, rotary embedding with the file's base, grouped-query attention with optional QKV bias,
+SwiGLU MLP, tied or separate LM head. The forward pass can stop after the first L layers
+(self-speculation) and hand back the hidden states of any layers (trained drafting heads).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftwise.model.attention import Attention
+from draftwise.model.config import ModelConfig
+from draftwise.model.kv_cache import KVCacheView
+from draftwise.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, cos, sin, cache, kv_length):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache, kv_length)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def hidden_states(
+        self,
+        token_ids: torch.Tensor,  # [B, S]
+        positions: torch.Tensor,  # [B, S]
+        cache: KVCacheView | None = None,
+        *,
+        kv_length: int | None = None,
+        num_layers: int | None = None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the first `num_layers` layers (all by default).
+
+        Returns the residual stream after the last layer run [B, S, H] (before the final norm) and
+        the residual stream after each layer in `capture_layers` (0-based), also [B, S, H].
+        """
+        if kv_length is None:
+            kv_length = int(positions.max()) + 1
+        x = self.embed_tokens(token_ids)  # [B, S, H]
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers[:num_layers]):
+            x = layer(x, positions, cos, sin, cache, kv_length)
+            if index in capture_layers:
+                captured[index] = x
+        return x, captured
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [..., H] -> logits [..., V]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [B, S]
+        positions: torch.Tensor,  # [B, S]
+        cache: KVCacheView | None = None,
+        *,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, S, V] for every input position."""
+        hidden, _ = self.hidden_states(token_ids, positions, cache, num_layers=num_layers)
+        return self.logits(hidden)

@@ -1,0 +1,119 @@
+"""Text <-> token ids, chat templates and incremental (streaming) detokenization."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from draftwise.errors import DraftwiseError, ModelFormatError
+
+# Control tokens that end a turn in common chat formats; they end generation like EOS does.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
+
+
+class Tokenizer:
+    def __init__(self, folder: Path) -> None:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFormatError(f"{folder}: no tokenizer.json")
+        self.name = folder.name
+        self._tokenizer = HFTokenizer.from_file(str(path))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self.add_bos_token: bool = bool(config.get("add_bos_token", False))
+        self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        special = {token.content: index for index, token in self._tokenizer.get_added_tokens_decoder().items()
+                   if token.special}
+        eos_ids = {self.token_to_id(self.eos_token)} if self.eos_token else set()
+        eos_ids |= {special[t] for t in END_OF_TURN_TOKENS if t in special}  # only real control tokens
+        self.eos_token_ids: frozenset[int] = frozenset(i for i in eos_ids if i is not None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tokenizer.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise DraftwiseError(f"model {self.name!r} has no chat template; use generate() with plain text")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as error:
+            raise DraftwiseError(f"chat template of {self.name!r} failed: {error}") from None
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
+        return token.get("content")
+    return token
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Decodes a small window of recent tokens each time (as byte-level BPE can split a UTF-8
+    character across tokens) and holds text back while it ends in an incomplete character.
+    """
+
+    tokenizer: Tokenizer
+    skip_special_tokens: bool = True
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (may be empty)."""
+        self.token_ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end: emit whatever is held back, even an incomplete character."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.token_ids[self._prefix_offset:self._read_offset], skip)
+        full_text = self.tokenizer.decode(self.token_ids[self._prefix_offset:], skip)
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

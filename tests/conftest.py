@@ -1,0 +1,38 @@
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import write_tiny_gguf, write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1, tie=True)
+
+
+@pytest.fixture(scope="session")
+def gguf_cache(tmp_path_factory) -> Path:
+    """Where conversions of test GGUF files go (not the user's cache)."""
+    return tmp_path_factory.mktemp("draftwise-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_llama, tmp_path_factory) -> Path:
+    return write_tiny_gguf(tiny_llama, tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_gguf(tiny_qwen, tmp_path_factory) -> Path:
+    return write_tiny_gguf(tiny_qwen, tmp_path_factory.mktemp("gguf") / "tiny-qwen.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_qwen):
+    from draftwise import LLM
+
+    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=16, progress=False)

@@ -1,0 +1,104 @@
+"""End-to-end generation on a tiny model: limits, stops, streaming, batching, chat, errors."""
+
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.errors import InvalidParameterError, ModelNotFoundError, PromptTooLongError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(", "héllo"]
+
+
+def test_max_tokens_and_metrics(tiny_llm):
+    out = tiny_llm.generate("def add(a, b):", GREEDY)[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    assert out.text == tiny_llm.tokenizer.decode(out.token_ids)
+    assert out.metrics.num_generated_tokens == 12 and out.metrics.tokens_per_second > 0
+    assert out.outputs[0].text == out.text
+
+
+def test_greedy_is_deterministic_and_batch_equals_solo(tiny_llm):
+    batched = tiny_llm.generate(PROMPTS, GREEDY)
+    solo = [tiny_llm.generate(prompt, GREEDY)[0] for prompt in PROMPTS]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in solo]
+    assert len({tuple(o.token_ids) for o in batched}) > 1
+
+
+def test_stop_token_ends_exactly_there(tiny_llm):
+    full = tiny_llm.generate("def add(a, b):", GREEDY)[0].token_ids
+    stop_at = next(i for i, t in enumerate(full) if t not in full[:i] and i >= 3)
+    out = tiny_llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12,
+                                                            stop_token_ids=[full[stop_at]]))[0]
+    assert out.token_ids == full[:stop_at + 1] and out.finish_reason == "stop"
+
+
+def test_eos_ends_unless_ignored(tiny_llm, monkeypatch):
+    full = tiny_llm.generate("def add(a, b):", GREEDY)[0].token_ids
+    eos = full[4]
+    monkeypatch.setattr(tiny_llm.tokenizer, "eos_token_ids", frozenset({eos}))
+    out = tiny_llm.generate("def add(a, b):", GREEDY)[0]
+    assert out.token_ids == full[:full.index(eos) + 1] and out.finish_reason == "stop"
+    ignoring = tiny_llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert ignoring[0].token_ids == full
+
+
+def test_stop_string_cuts_text_and_stream_never_shows_it(tiny_llm):
+    full = tiny_llm.generate("The quick brown fox", GREEDY)[0]
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    assert stop.strip(), "pick a stop string with visible characters"
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop])
+    out = tiny_llm.generate("The quick brown fox", params)[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert out.text == full.text[:full.text.index(stop)]
+    streamed = "".join(delta.text for delta in tiny_llm.stream("The quick brown fox", params))
+    assert streamed == out.text
+    kept = tiny_llm.generate("The quick brown fox", SamplingParams(
+        temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.text == out.text + stop
+
+
+def test_stream_equals_generate(tiny_llm):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=15)
+    deltas = list(tiny_llm.stream("héllo", params))
+    final = tiny_llm.generate("héllo", params)[0]
+    assert "".join(d.text for d in deltas) == final.text
+    assert deltas[-1].output.token_ids == final.token_ids
+    assert deltas[-1].finish_reason == final.finish_reason is not None
+
+
+def test_seeded_sampling_reproducible_and_varies_by_seed(tiny_llm):
+    def run(seed):
+        return tiny_llm.generate("def add(a, b):", SamplingParams(temperature=1.0, seed=seed, max_tokens=10))[0]
+
+    assert run(1).token_ids == run(1).token_ids
+    assert len({tuple(run(seed).token_ids) for seed in range(5)}) > 1
+
+
+def test_chat_uses_the_template(tiny_llm):
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = tiny_llm.tokenizer.apply_chat_template(messages)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_llm.chat(messages, GREEDY)[0].token_ids == tiny_llm.generate(rendered, GREEDY)[0].token_ids
+
+
+def test_context_end_finishes_with_length(tiny_llm):
+    prompt = "The quick brown fox " * 20
+    prompt_len = len(tiny_llm.tokenizer.encode(prompt))
+    out = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None))[0]
+    assert out.finish_reason == "length" and prompt_len + len(out.token_ids) == tiny_llm.max_model_len
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    ("", InvalidParameterError, "prompt is empty"),
+    ("The quick brown fox " * 200, PromptTooLongError, "context holds 256"),
+    (["ok", 3], InvalidParameterError, "must be a string"),
+])
+def test_bad_prompts_are_clear_errors(tiny_llm, prompt, error, message):
+    with pytest.raises(error, match=message):
+        tiny_llm.generate(prompt, GREEDY)
+    assert not tiny_llm.engine.has_unfinished()  # nothing half-admitted
+
+
+def test_unknown_model_name():
+    with pytest.raises(ModelNotFoundError, match="unknown model 'no-such-model'.*qwen2.5-coder-1.5b"):
+        LLM("no-such-model")

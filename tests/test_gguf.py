@@ -1,0 +1,75 @@
+"""GGUF conversion: tiny files written like llama.cpp's converter load to the same logits."""
+
+import numpy as np
+import pytest
+import torch
+
+from draftwise.errors import ModelFormatError, ModelNotFoundError
+from draftwise.loading.gguf_file import GGUFFile, permute_rotary, unpermute_rotary
+from draftwise.loading.hf_folder import load_model
+from draftwise.loading.resolve import resolve_model
+from draftwise.tokenizer import Tokenizer
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
+POSITIONS = torch.arange(7)[None]
+
+
+def logits(folder):
+    with torch.no_grad():
+        return load_model(folder)(PROMPT, POSITIONS)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)
+    np.testing.assert_array_equal(unpermute_rotary(permute_rotary(weight, 3), 3), weight)
+    assert not np.array_equal(permute_rotary(weight, 3), weight)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_llama"])
+def test_gguf_converts_to_the_same_model(request, name, gguf_cache, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(gguf_cache))
+    hf_folder = request.getfixturevalue(name)
+    gguf_path = request.getfixturevalue(f"{name}_gguf")
+    converted = resolve_model(str(gguf_path), progress=False)
+    torch.testing.assert_close(logits(converted), logits(hf_folder), rtol=1e-5, atol=1e-5)
+    assert resolve_model(str(gguf_path), progress=False) == converted  # cached, not converted again
+
+
+def test_gguf_tokenizer_equals_source_tokenizer(tiny_qwen, tiny_qwen_gguf, gguf_cache, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(gguf_cache))
+    original, converted = Tokenizer(tiny_qwen), Tokenizer(resolve_model(str(tiny_qwen_gguf), progress=False))
+    for text in ["def add(a, b):\n    return a + b", "héllo wörld 你好 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+        assert converted.encode(text) == original.encode(text)
+        assert converted.decode(converted.encode(text), skip_special_tokens=False) == text
+    assert converted.eos_token_ids == original.eos_token_ids
+    assert converted.chat_template == original.chat_template
+
+
+def test_quantized_gguf_dequantizes_close_to_source(tiny_qwen, tmp_path, monkeypatch):
+    from tests.tiny_models import write_tiny_gguf
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tiny_qwen, tmp_path / "q8.gguf", quantize_q8=True)
+    got, expected = logits(resolve_model(str(path), progress=False)), logits(tiny_qwen)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="nope.gguf"):
+        GGUFFile(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.01])
+def test_truncated_gguf_is_a_clear_error(tiny_qwen_gguf, tmp_path, keep):
+    data = tiny_qwen_gguf.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelFormatError, match="truncated.gguf.*(corrupt|truncated)"):
+        GGUFFile(path)

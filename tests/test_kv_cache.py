@@ -1,0 +1,72 @@
+"""KV-cache rollback is bookkeeping, and ragged batches give each row its solo logits."""
+
+import pytest
+import torch
+
+from draftwise.loading.hf_folder import load_model
+from draftwise.model.runner import ModelRunner
+
+TOKENS = [5, 17, 42, 99, 3, 250, 7, 8, 120, 33, 61, 2, 77]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen):
+    return load_model(tiny_qwen)
+
+
+def recompute(model, tokens):
+    """Logits of the last token, computed from scratch without a cache."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), torch.arange(len(tokens))[None])[0, -1]
+
+
+def test_write_truncate_rewrite_equals_recomputation(model):
+    runner = ModelRunner(model, max_num_rows=2, max_len=64)
+    row = runner.allocate()
+    runner.forward([row], [TOKENS[:8]], [1])
+    runner.forward([row], [[200, 201, 202]], [3])  # a rejected continuation...
+    runner.truncate(row, 8)  # ...rolled back without copying
+    assert runner.length(row) == 8
+    result = runner.forward([row], [TOKENS[8:11]], [1])  # overwrite the stale entries
+    torch.testing.assert_close(result.logits[0], recompute(model, TOKENS[:11]), rtol=1e-4, atol=1e-4)
+
+
+def test_logits_of_several_positions(model):
+    runner = ModelRunner(model, max_num_rows=1, max_len=64)
+    row = runner.allocate()
+    runner.forward([row], [TOKENS[:5]], [1])
+    result = runner.forward([row], [TOKENS[5:9]], [4])
+    assert result.cu_num_logits == [0, 4]
+    for i in range(4):
+        torch.testing.assert_close(result.logits[i], recompute(model, TOKENS[:6 + i]), rtol=1e-4, atol=1e-4)
+
+
+def test_ragged_batch_equals_each_row_alone(model):
+    runner = ModelRunner(model, max_num_rows=4, max_len=64)
+    prompts = [TOKENS[:3], TOKENS, TOKENS[:7], [9]]
+    rows = [runner.allocate() for _ in prompts]
+    rows = [rows[2], rows[0], rows[3], rows[1]]  # not in allocation order: exercises the gather path
+    result = runner.forward(rows, prompts, [1, 2, 1, 1])
+    appended = [[11], [12, 13], [], [14, 15, 16]]
+    active = [i for i, a in enumerate(appended) if a]
+    second = runner.forward([rows[i] for i in active], [appended[i] for i in active], [1] * len(active))
+    for b, prompt in enumerate(prompts):
+        torch.testing.assert_close(result.logits[result.cu_num_logits[b + 1] - 1], recompute(model, prompt),
+                                   rtol=1e-4, atol=1e-4)
+    for j, b in enumerate(active):
+        torch.testing.assert_close(second.logits[j], recompute(model, prompts[b] + appended[b]),
+                                   rtol=1e-4, atol=1e-4)
+    assert [runner.length(r) for r in rows] == [4, 15, 7, 4]
+
+
+def test_free_rows_are_reused_and_bounds_checked(model):
+    runner = ModelRunner(model, max_num_rows=1, max_len=8)
+    row = runner.allocate()
+    assert runner.num_free_rows == 0
+    runner.forward([row], [TOKENS[:8]], [1])
+    with pytest.raises(Exception, match="context holds 8"):
+        runner.forward([row], [[1]], [1])
+    with pytest.raises(ValueError):
+        runner.truncate(row, 9)
+    runner.free(row)
+    assert runner.num_free_rows == 1 and runner.allocate() == row and runner.length(row) == 0

