@@ -14,7 +14,14 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1)
+    speculative = None
+    if args.method:
+        speculative = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+        if args.method == "draft" and args.draft:
+            speculative["model"] = args.draft
+        if args.method == "layer_skip" and args.layers:
+            speculative["num_layers"] = args.layers
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, speculative=speculative)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -58,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--method", choices=["draft", "ngram", "layer_skip"], default=None,
+                          help="speculate with a draft model, prompt lookup, or the target's first layers")
+    generate.add_argument("--draft", default=None, help="draft model for --method draft (default qwen2.5-coder-0.5b)")
+    generate.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="tokens drafted per step")
+    generate.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")
     generate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     generate.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
     generate.set_defaults(run=_generate)

@@ -17,6 +17,13 @@ from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.model.runner import ModelRunner
 from draftwise.sampling.params import SamplingParams
+from draftwise.spec.config import SpeculativeConfig
+from draftwise.spec.draft_model import DraftModelProposer
+from draftwise.spec.layer_skip import LayerSkipProposer
+from draftwise.spec.metrics import SpecMetrics
+from draftwise.spec.ngram import NgramProposer
+from draftwise.spec.proposer import Proposer
+from draftwise.spec.vocabulary import check_same_vocabulary
 from draftwise.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -56,6 +63,7 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
+        speculative: SpeculativeConfig | dict | None = None,
         progress: bool = True,
     ) -> None:
         if max_model_len <= 0 or max_num_seqs <= 0:
@@ -65,6 +73,8 @@ class LLM:
         self.model_folder = resolve_model(model, progress=progress)
         self.model_name = model
         self.tokenizer = Tokenizer(self.model_folder)
+        config = SpeculativeConfig.from_value(speculative)
+        draft_folder = self._check_draft(config, progress)  # before any weights load: fail fast
         self.model = load_model(self.model_folder, self.device, self.dtype)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ModelFormatError(
@@ -72,8 +82,43 @@ class LLM:
                 f"embedding only {self.model.config.vocab_size}")
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len)
-        self.engine = Engine(self.runner)
+        self._install(config, draft_folder)
         self._request_ids = itertools.count()
+
+    # --- speculation ------------------------------------------------------------------------
+    def set_speculative(self, speculative: SpeculativeConfig | dict | None, progress: bool = True) -> None:
+        """Switch speculation (None: off) without reloading the target; resets `spec_metrics`."""
+        if self.engine.has_unfinished():
+            raise InvalidParameterError("cannot change speculation while requests are running")
+        config = SpeculativeConfig.from_value(speculative)
+        self._install(config, self._check_draft(config, progress))
+
+    def _check_draft(self, config: SpeculativeConfig | None, progress: bool):
+        if config is None or config.method != "draft":
+            return None
+        draft_folder = resolve_model(config.model, progress=progress)
+        check_same_vocabulary(self.tokenizer, Tokenizer(draft_folder), self.model_name, config.model)
+        return draft_folder
+
+    def _install(self, config: SpeculativeConfig | None, draft_folder) -> None:
+        self.speculative = config
+        proposer = self._build_proposer(config, draft_folder)
+        self.engine = Engine(self.runner, proposer, config.num_speculative_tokens if config else 0)
+        self.spec_metrics = SpecMetrics()  # totals over every finished request
+
+    def _build_proposer(self, config: SpeculativeConfig | None, draft_folder) -> Proposer | None:
+        if config is None:
+            return None
+        if config.method == "ngram":
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.method == "layer_skip":
+            total = self.model.config.num_hidden_layers
+            num_layers = config.num_layers or max(1, total // 2)
+            if num_layers >= total:
+                raise InvalidParameterError(f"layer_skip num_layers must be below the target's {total} layers")
+            return LayerSkipProposer(self.runner, num_layers)
+        draft_model = load_model(draft_folder, self.device, self.dtype)
+        return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len))
 
     # --- requests ---------------------------------------------------------------------------
     def _make_sequence(self, prompt: str, params: SamplingParams) -> Sequence:
@@ -113,6 +158,8 @@ class LLM:
             for seq in sequences:
                 if not seq.finished:
                     self.engine.abort(seq)
+        for seq in sequences:
+            self.spec_metrics.merge(seq.metrics.spec)
         return [seq.output() for seq in sequences]
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -136,3 +183,4 @@ class LLM:
         finally:
             if not seq.finished:
                 self.engine.abort(seq)
+            self.spec_metrics.merge(seq.metrics.spec)

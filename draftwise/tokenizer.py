@@ -46,6 +46,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tokenizer.id_to_token(token_id)
 
+    def id_to_token_list(self) -> list[str | None]:
+        """Token text of every id, in id order (None for an id without a token)."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+        for token, index in vocab.items():
+            tokens[index] = token
+        return tokens
+
     def encode(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:

@@ -53,3 +53,45 @@ def test_real_llama_architecture_smollm2():
                    SamplingParams(temperature=0, max_tokens=20))[0]
     assert "Paris" in out.text, out.text
     assert resolve_model("smollm2-135m").name.startswith("smollm2-135m")
+
+
+SPEC_PROMPTS = ["def quicksort(arr):", "def is_prime(n: int) -> bool:\n", "# Read a CSV file with pandas\nimport"]
+
+
+def first_difference(llm, prompt, expected, got) -> str:
+    """Where two greedy outputs part, and the target's top-2 logit gap there (tiny = a floating-point tie)."""
+    index = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
+    ids = llm.tokenizer.encode(prompt) + expected[:index]
+    with torch.no_grad():
+        logits = llm.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
+    top = logits.topk(2)
+    return (f"{prompt!r}: first difference at token {index} (plain {expected[index]}, speculative {got[index]}); "
+            f"target top-2 logit gap there {float(top.values[0] - top.values[1]):.2e}")
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4},
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 2},
+], ids=["draft", "ngram", "layer_skip"])
+def test_real_speculative_greedy_equals_plain(target, spec):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    target.set_speculative(None)
+    expected = [o.token_ids for o in target.generate(SPEC_PROMPTS, params)]
+    target.set_speculative(spec)
+    try:
+        got = [o.token_ids for o in target.generate(SPEC_PROMPTS, params)]
+        accepted = target.spec_metrics.num_accepted_tokens
+    finally:
+        target.set_speculative(None)
+    problems = [first_difference(target, p, e, g) for p, e, g in zip(SPEC_PROMPTS, expected, got) if e != g]
+    assert not problems, "\n".join(problems)
+    assert accepted > 0
+
+
+def test_real_tokenizer_mismatch_is_a_clear_error():
+    from draftwise.spec.vocabulary import TokenizerMismatchError
+
+    with pytest.raises(TokenizerMismatchError, match=r"'smollm2-135m' cannot draft for target 'qwen2.5-coder-1.5b'"
+                                                     r".*target 151\d+ tokens, draft 49152 tokens.*first: id"):
+        LLM("qwen2.5-coder-1.5b", speculative={"method": "draft", "model": "smollm2-135m"})

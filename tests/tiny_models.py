@@ -35,8 +35,13 @@ def train_tokenizer(vocab_size: int = 320) -> Tokenizer:
 
 
 def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
-                     num_layers: int = 2) -> Path:
-    """A random model saved as config.json + model.safetensors + tokenizer files."""
+                     num_layers: int = 2, residual_scale: float = 1.0) -> Path:
+    """A random model saved as config.json + model.safetensors + tokenizer files.
+
+    residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
+    depends mostly on the current one: greedy decoding then soon repeats itself (like real text
+    often does), which gives prompt lookup something to find.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -55,6 +60,8 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(residual_scale)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

@@ -1,17 +1,28 @@
-"""The decode loop: admit waiting requests, run one batched step, commit tokens, retire finished ones."""
+"""The decode loop: schedule, propose, verify in one target pass, commit or roll back, feed back.
+
+Plain decoding is the case without a proposer: every step verifies an empty draft, which is
+ordinary sampling from the target.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+
+import torch
 
 from draftwise.engine.sequence import Sequence
 from draftwise.model.runner import ModelRunner
-from draftwise.sampling.sampler import SamplingBatch, sample
+from draftwise.sampling.sampler import SamplingBatch
+from draftwise.spec.proposer import Draft, Proposer
+from draftwise.spec.verify import verify
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
         self.runner = runner
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -25,11 +36,15 @@ class Engine:
         """One step; returns the sequences that received tokens (finished ones included)."""
         if self.waiting and self.runner.num_free_rows:
             batch = [self._admit(self.waiting.popleft())]  # prefill one prompt: no padding waste
+            drafts = [Draft([])]
         else:
             batch = list(self.running)
-        if not batch:
-            return []
-        self._forward_and_commit(batch)
+            if not batch:
+                return []
+            drafts = self._propose(batch)
+        num_accepted = self._verify_and_commit(batch, drafts)
+        if self.proposer is not None:
+            self.proposer.on_verified(batch, num_accepted)
         for seq in batch:
             if seq.finished:
                 self._retire(seq)
@@ -42,6 +57,47 @@ class Engine:
         if seq in self.running:
             self._retire(seq)
 
+    # --- the steps --------------------------------------------------------------------------
+    def _propose(self, batch: list[Sequence]) -> list[Draft]:
+        if self.proposer is None:
+            return [Draft([]) for _ in batch]
+        # Never draft past what the request may still emit: the verification adds one token.
+        num_tokens = [max(0, min(self.num_speculative_tokens, seq.num_tokens_left - 1)) for seq in batch]
+        start = time.perf_counter()
+        drafts = self.proposer.propose(batch, num_tokens)
+        elapsed = time.perf_counter() - start
+        for seq in batch:
+            seq.metrics.spec.draft_seconds += elapsed
+        return drafts
+
+    def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft]) -> list[int]:
+        start = time.perf_counter()
+        rows = [seq.row for seq in batch]
+        # Each row feeds what its cache lacks (the prompt, or the newest token) plus its draft.
+        new_tokens = [seq.token_ids[self.runner.length(seq.row):] + d.token_ids for seq, d in zip(batch, drafts)]
+        num_draft = [len(d.token_ids) for d in drafts]
+        result = self.runner.forward(rows, new_tokens, [n + 1 for n in num_draft])
+        width = max(num_draft)
+        device = result.logits.device
+        target_logits = _pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
+        sampling = SamplingBatch.build([seq.params for seq in batch], [seq.generator for seq in batch],
+                                       target_logits.shape[-1], device)
+        draft_ids = torch.tensor([d.token_ids + [0] * (width - len(d.token_ids)) for d in drafts],
+                                 dtype=torch.long, device=device)
+        verified = verify(draft_ids.view(len(batch), width), torch.tensor(num_draft, device=device),
+                          target_logits, _stack_draft_probs(drafts, width), sampling)
+        output_ids = verified.output_token_ids.tolist()  # the step's one host sync
+        num_accepted = verified.num_accepted.tolist()
+        elapsed = time.perf_counter() - start
+        for seq, tokens, accepted, drafted in zip(batch, output_ids, num_accepted, num_draft):
+            seq.append(tokens[:accepted + 1])
+            # Roll back: the cache keeps every committed token but the newest (fed next step).
+            self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
+            seq.metrics.spec.record(drafted, accepted)
+            if drafted:
+                seq.metrics.spec.verify_seconds += elapsed
+        return num_accepted
+
     def _admit(self, seq: Sequence) -> Sequence:
         seq.row = self.runner.allocate()
         self.running.append(seq)
@@ -51,13 +107,32 @@ class Engine:
         self.running.remove(seq)
         self.runner.free(seq.row)
         seq.row = None
+        if self.proposer is not None:
+            self.proposer.release(seq)
 
-    def _forward_and_commit(self, batch: list[Sequence]) -> None:
-        rows = [seq.row for seq in batch]
-        new_tokens = [seq.token_ids[self.runner.length(seq.row):] for seq in batch]  # prompt, or last token
-        result = self.runner.forward(rows, new_tokens, num_logits=[1] * len(batch))
-        sampling = SamplingBatch.build([seq.params for seq in batch], [seq.generator for seq in batch],
-                                       result.logits.shape[-1], result.logits.device)
-        next_ids = sample(result.logits, sampling).tolist()  # the step's one host sync
-        for seq, token in zip(batch, next_ids):
-            seq.append([token])
+
+def _pad_rows(flat: torch.Tensor, cu: list[int], width: int) -> torch.Tensor:
+    """Ragged rows flat[cu[b]:cu[b+1]] ([N, V]) as one padded tensor [B, width, V]."""
+    counts = [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
+    if all(count == width for count in counts):
+        return flat.view(len(counts), width, -1)
+    padded = flat.new_zeros(len(counts), width, flat.shape[-1])
+    for b, count in enumerate(counts):
+        padded[b, :count] = flat[cu[b]:cu[b + 1]]
+    return padded
+
+
+def _stack_draft_probs(drafts: list[Draft], width: int) -> torch.Tensor | None:
+    """[B, K, V] draft distributions, or None if every draft is deterministic (point masses)."""
+    with_probs = [d.probs for d in drafts if d.probs is not None]
+    if not with_probs or width == 0:
+        return None
+    vocab = with_probs[0].shape[-1]
+    stacked = with_probs[0].new_zeros(len(drafts), width, vocab)
+    for b, draft in enumerate(drafts):
+        if draft.probs is not None:
+            stacked[b, :len(draft.token_ids)] = draft.probs
+        else:
+            for i, token in enumerate(draft.token_ids):  # a deterministic draft in a sampled batch
+                stacked[b, i, token] = 1.0
+    return stacked

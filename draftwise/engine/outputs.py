@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftwise.spec.metrics import SpecMetrics
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -12,6 +14,7 @@ class RequestMetrics:
     arrival_time: float  # time.perf_counter() seconds
     first_token_time: float | None
     finish_time: float | None
+    spec: SpecMetrics | None = None  # speculation counters, when the request was speculated
 
     @property
     def seconds(self) -> float:
@@ -37,9 +40,10 @@ class RequestMetrics:
 
     def summary(self) -> str:
         ttft = self.time_to_first_token
-        return (f"{self.num_generated_tokens} tokens in {self.seconds:.2f} s "
+        text = (f"{self.num_generated_tokens} tokens in {self.seconds:.2f} s "
                 f"({self.tokens_per_second:.2f} tok/s; decode {self.decode_tokens_per_second:.2f} tok/s; "
                 f"prompt {self.num_prompt_tokens} tokens, first token after {ttft or 0:.2f} s)")
+        return text + (f"; {self.spec.summary()}" if self.spec is not None and self.spec.num_drafts else "")
 
 
 @dataclass(slots=True)

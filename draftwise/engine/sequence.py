@@ -8,6 +8,7 @@ import torch
 
 from draftwise.engine.outputs import RequestMetrics, RequestOutput
 from draftwise.sampling.params import SamplingParams
+from draftwise.spec.metrics import SpecMetrics
 from draftwise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -28,7 +29,7 @@ class Sequence:
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self._text_end: int | None = None  # where a stop string cut the text
         self._streamed = 0  # characters of text already handed out as deltas
-        self.metrics = RequestMetrics(len(prompt_token_ids), 0, time.perf_counter(), None, None)
+        self.metrics = RequestMetrics(len(prompt_token_ids), 0, time.perf_counter(), None, None, SpecMetrics())
 
     # --- tokens -----------------------------------------------------------------------------
     @property
@@ -38,6 +39,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_tokens_left(self) -> int:
+        """Tokens this request may still emit (max_tokens and the context both count)."""
+        return self._max_new - len(self.output_ids)
 
     def append(self, token_ids: list[int]) -> int:
         """Commit tokens in order until one ends the request; return how many were committed.

@@ -40,6 +40,14 @@ class SamplingBatch:
             generators=generators,
         )
 
+    def repeat(self, times: int) -> "SamplingBatch":
+        """Each row repeated `times` times in place (row 0, row 0, ..., row 1, ...): one per position."""
+        return SamplingBatch(
+            self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
+            self.top_p.repeat_interleave(times), self.greedy.repeat_interleave(times),
+            self.needs_sort, self.all_greedy, [g for g in self.generators for _ in range(times)],
+        )
+
 
 def warp_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p to logits [N, V]; cut tokens become -inf."""

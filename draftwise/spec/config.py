@@ -1,0 +1,52 @@
+"""How to speculate: `LLM(model=..., speculative={"method": "draft", ...})`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from draftwise.errors import InvalidParameterError
+from draftwise.loading.registry import DEFAULT_DRAFT
+
+METHODS = ("draft", "ngram", "layer_skip")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 5  # k: tokens drafted per verification step
+    model: str | None = None  # method "draft": the draft model (default: qwen2.5-coder-0.5b)
+    prompt_lookup_min: int = 1  # method "ngram": shortest suffix to look up
+    prompt_lookup_max: int = 4  # method "ngram": longest suffix to look up
+    num_layers: int | None = None  # method "layer_skip": target layers used to draft (default: half)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidParameterError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise InvalidParameterError(
+                f"num_speculative_tokens must be an integer from 1 to 64, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidParameterError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                f"{self.prompt_lookup_max}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise InvalidParameterError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.method == "draft" and self.model is None:
+            self.model = DEFAULT_DRAFT
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidParameterError("speculative must be a dict or a SpeculativeConfig")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidParameterError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise InvalidParameterError(f"speculative needs a 'method' ({', '.join(METHODS)})")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

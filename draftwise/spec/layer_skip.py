@@ -1,0 +1,37 @@
+"""Self-speculation: the target's first L layers, final norm and LM head draft for the full model.
+
+The draft pass writes keys/values of layers < L into the target's own cache at the positions the
+verification pass then overwrites with all layers, so drafting needs no cache of its own.
+"""
+
+from __future__ import annotations
+
+from draftwise.engine.sequence import Sequence
+from draftwise.model.runner import ModelRunner
+from draftwise.spec.autoregressive import draft_autoregressively
+from draftwise.spec.proposer import Draft
+
+
+class LayerSkipProposer:
+    def __init__(self, target_runner: ModelRunner, num_layers: int) -> None:
+        self.runner = target_runner
+        self.num_layers = num_layers
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
+        active = [b for b, k in enumerate(num_tokens) if k > 0]
+        drafts = [Draft([]) for _ in seqs]
+        rows = [seqs[b].row for b in active]
+        lengths = [self.runner.length(row) for row in rows]
+        made = draft_autoregressively(self.runner, rows, [seqs[b] for b in active],
+                                      [num_tokens[b] for b in active], num_layers=self.num_layers)
+        for row, length in zip(rows, lengths):
+            self.runner.truncate(row, length)  # the target's verification pass starts from here
+        for b, draft in zip(active, made):
+            drafts[b] = draft
+        return drafts
+
+    def on_verified(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass

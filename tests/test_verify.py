@@ -1,0 +1,120 @@
+"""Verification on synthetic logits, and a Monte-Carlo check that speculative sampling follows the target."""
+
+import pytest
+import torch
+
+import draftwise.spec.verify as verify_module
+from draftwise.sampling.params import SamplingParams
+from draftwise.sampling.sampler import SamplingBatch
+from draftwise.spec.verify import verify
+
+V = 5
+
+
+def batch(n, temperature=0.0, generators=None):
+    return SamplingBatch.build([SamplingParams(temperature=temperature)] * n, generators or [None] * n, V,
+                               torch.device("cpu"))
+
+
+def one_hot_logits(ids):
+    """Logits whose argmax at position i is ids[i]: [1, len(ids), V]."""
+    logits = torch.zeros(1, len(ids), V)
+    logits[0, torch.arange(len(ids)), torch.tensor(ids)] = 5.0
+    return logits
+
+
+def test_greedy_perfect_match_gets_the_bonus():
+    result = verify(torch.tensor([[1, 2, 3]]), torch.tensor([3]), one_hot_logits([1, 2, 3, 4]), None, batch(1))
+    assert result.num_accepted.tolist() == [3]
+    assert result.output_token_ids.tolist() == [[1, 2, 3, 4]]
+
+
+def test_greedy_early_mismatch_recovers_the_target_token():
+    result = verify(torch.tensor([[1, 0, 3]]), torch.tensor([3]), one_hot_logits([1, 2, 3, 4]), None, batch(1))
+    assert result.num_accepted.tolist() == [1]
+    assert result.output_token_ids.tolist() == [[1, 2, -1, -1]]
+
+
+def test_empty_draft_is_one_plain_step():
+    result = verify(torch.zeros(1, 0, dtype=torch.long), torch.tensor([0]), one_hot_logits([4]), None, batch(1))
+    assert result.output_token_ids.tolist() == [[4]] and result.num_accepted.tolist() == [0]
+
+
+def test_ragged_rows_ignore_padding():
+    logits = torch.cat([one_hot_logits([1, 2, 3]), one_hot_logits([2, 2, 2])])
+    drafts = torch.tensor([[1, 2], [2, 2]])  # row 1 drafted only one token; its second entry is padding
+    result = verify(drafts, torch.tensor([2, 1]), logits, None, batch(2))
+    assert result.num_accepted.tolist() == [2, 1]
+    assert result.output_token_ids.tolist() == [[1, 2, 3], [2, 2, -1]]
+
+
+def test_sampling_with_certain_target_accepts_and_rejects_exactly():
+    logits = one_hot_logits([1, 2, 3]) * 10  # p is (numerically) a point mass
+    accepted = verify(torch.tensor([[1, 2]]), torch.tensor([2]), logits, None, batch(1, temperature=1.0))
+    assert accepted.output_token_ids.tolist() == [[1, 2, 3]]
+    rejected = verify(torch.tensor([[1, 4]]), torch.tensor([2]), logits, None, batch(1, temperature=1.0))
+    assert rejected.output_token_ids.tolist() == [[1, 2, -1]] and rejected.num_accepted.tolist() == [1]
+
+
+def test_seeded_verification_is_reproducible():
+    logits = torch.randn(1, 4, V)
+    def run():
+        generator = torch.Generator().manual_seed(11)
+        return verify(torch.tensor([[0, 1, 2]]), torch.tensor([3]), logits, torch.full((1, 3, V), 1 / V),
+                      batch(1, 1.0, [generator])).output_token_ids.tolist()
+    assert len({str(run()) for _ in range(5)}) == 1
+
+
+# --- Monte-Carlo: emitted tokens follow the target distribution -------------------------------
+
+TRIALS = 30_000
+CHI2_CRITICAL_DF4 = 18.467  # chi-square, 4 degrees of freedom, alpha = 0.001
+
+
+def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(samples, minlength=V).double()
+    expected = probs.double() * len(samples)
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def run_speculative_sampling(point_mass: bool, seed: int = 0):
+    """Statistics of each emitted position against the target's distribution there."""
+    torch.manual_seed(seed)
+    target_probs = torch.tensor([[0.10, 0.40, 0.20, 0.25, 0.05],
+                                 [0.30, 0.05, 0.15, 0.20, 0.30],
+                                 [0.20, 0.20, 0.20, 0.20, 0.20]])
+    draft_probs = torch.tensor([[0.50, 0.10, 0.10, 0.20, 0.10],
+                                [0.05, 0.40, 0.25, 0.10, 0.20]])
+    if point_mass:  # a deterministic drafter always proposes tokens 3 then 0
+        drafts = torch.tensor([[3, 0]]).expand(TRIALS, 2)
+        draft_probs_arg = None
+    else:
+        drafts = torch.stack([torch.multinomial(draft_probs[i], TRIALS, replacement=True) for i in range(2)], 1)
+        draft_probs_arg = draft_probs.expand(TRIALS, 2, V)
+    logits = target_probs.log().expand(TRIALS, 3, V)
+    result = verify(drafts, torch.full((TRIALS,), 2), logits, draft_probs_arg, batch(TRIALS, temperature=1.0))
+    out, accepted = result.output_token_ids, result.num_accepted
+    stats = []
+    for position in range(3):
+        emitted = accepted >= position  # position i is emitted when the first i drafts were accepted
+        stats.append(chi_square(out[emitted, position], target_probs[position]))
+    return stats
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_speculative_sampling_follows_the_target_distribution(point_mass):
+    for position, statistic in enumerate(run_speculative_sampling(point_mass)):
+        assert statistic < CHI2_CRITICAL_DF4, f"position {position}: chi2 {statistic:.1f}"
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_the_distribution_test_catches_a_wrong_residual(monkeypatch, point_mass):
+    """Recovering from p instead of norm(max(0, p - q)) is a classic bug; the test must see it."""
+    monkeypatch.setattr(verify_module, "residual_probs", lambda target, draft: target)
+    assert max(run_speculative_sampling(point_mass)) > CHI2_CRITICAL_DF4
+
+
+def test_the_distribution_test_catches_accepting_everything(monkeypatch):
+    original = verify_module._uniform
+    monkeypatch.setattr(verify_module, "_uniform", lambda *args: torch.zeros_like(original(*args)))
+    assert max(run_speculative_sampling(point_mass=False)) > CHI2_CRITICAL_DF4
