@@ -2,7 +2,10 @@
 
 The folder holds config.json, tokenizer.json, tokenizer_config.json and fp32 safetensors shards;
 after the conversion, loading reads only safetensors (seconds instead of the minute GGUF parsing
-and dequantization take). A `draftwise.json` marker written last makes a folder complete.
+and dequantization take). Tensors the file stores as Q4_K also keep their 4-bit groups
+(`q4k-*.safetensors`: `<name>.quants` packed two per byte, `<name>.scales`, `<name>.minimums`), so
+int4 inference uses the file's own quantization. A `draftwise.json` marker written last makes a
+folder complete.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
@@ -18,9 +22,29 @@ from tqdm import tqdm
 from draftwise.loading.gguf_file import GGUFFile
 from draftwise.loading.gguf_tokenizer import build_tokenizer
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 MARKER = "draftwise.json"
 SHARD_BYTES = 1 << 30
+
+
+class _ShardWriter:
+    """Writes tensors into numbered safetensors files of about SHARD_BYTES each."""
+
+    def __init__(self, folder: Path, prefix: str) -> None:
+        self.folder, self.prefix = folder, prefix
+        self.shard: dict[str, torch.Tensor] = {}
+        self.bytes, self.index = 0, 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.shard[name] = tensor
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self.bytes >= SHARD_BYTES:
+            self.close()
+
+    def close(self) -> None:
+        if self.shard:
+            save_file(self.shard, str(self.folder / f"{self.prefix}-{self.index:05d}.safetensors"))
+            self.shard, self.bytes, self.index = {}, 0, self.index + 1
 
 
 def is_converted(folder: Path) -> bool:
@@ -51,23 +75,27 @@ def convert_gguf(gguf_path: Path, folder: Path, progress: bool = True) -> Path:
     }, indent=2))
     (partial / "config.json").write_text(json.dumps(gguf.config.to_hf_dict(), indent=2))
 
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes, shard_index = 0, 0
+    weights = _ShardWriter(partial, "model")
+    groups = _ShardWriter(partial, "q4k")
     bar = tqdm(total=gguf.num_tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
-    for name, array in gguf.tensors():
-        shard[name] = torch.from_numpy(array.copy())
-        shard_bytes += array.nbytes
+    stored_types = {}
+    for tensor in gguf.tensors():
+        stored_types[tensor.name.removeprefix("model.")] = tensor.type_name
+        weights.add(tensor.name, torch.from_numpy(tensor.weight.copy()))
+        if tensor.q4k_groups is not None:
+            quants, scales, minimums = tensor.q4k_groups
+            packed = quants[:, 0::2] | (quants[:, 1::2] << 4)  # two 4-bit quants per byte
+            groups.add(f"{tensor.name}.quants", torch.from_numpy(np.ascontiguousarray(packed)))
+            groups.add(f"{tensor.name}.scales", torch.from_numpy(scales.copy()))
+            groups.add(f"{tensor.name}.minimums", torch.from_numpy(minimums.copy()))
         bar.update()
-        if shard_bytes >= SHARD_BYTES:
-            save_file(shard, str(partial / f"model-{shard_index:05d}.safetensors"))
-            shard, shard_bytes, shard_index = {}, 0, shard_index + 1
-    if shard:
-        save_file(shard, str(partial / f"model-{shard_index:05d}.safetensors"))
+    weights.close()
+    groups.close()
     bar.close()
 
     (partial / MARKER).write_text(json.dumps({
         "source": str(gguf_path), "converter_version": CONVERTER_VERSION,
-        "architecture": gguf.architecture,
+        "architecture": gguf.architecture, "gguf_types": stored_types,
     }, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)

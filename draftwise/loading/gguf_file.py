@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,14 @@ def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weight.shape[0]
     return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    name: str  # Hugging Face name
+    type_name: str  # how the file stores it: F32, Q4_K, Q6_K, ...
+    weight: np.ndarray  # float32, PyTorch's [out, in] layout
+    q4k_groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (quants, scales, minimums) if stored as Q4_K
 
 
 class GGUFFile:
@@ -133,9 +142,12 @@ class GGUFFile:
     def num_tensors(self) -> int:
         return len(self._reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(Hugging Face name, float32 array in PyTorch's [out, in] layout) for each tensor."""
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Each tensor dequantized to float32, with its 4-bit groups where the file stores Q4_K."""
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
+
+        from draftwise.quant.q4k import q4k_to_groups
 
         for tensor in self._reader.tensors:
             name = hf_tensor_name(tensor.name)
@@ -149,7 +161,12 @@ class GGUFFile:
                 ) from None
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
             array = array.reshape(shape)
+            groups = None
+            if tensor.tensor_type == GGMLQuantizationType.Q4_K and len(shape) == 2:
+                groups = q4k_to_groups(tensor.data, *shape)
             if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
                 heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
                 array = unpermute_rotary(array, heads)
-            yield name, array
+                if groups is not None:
+                    groups = tuple(unpermute_rotary(part, heads) for part in groups)
+            yield GGUFTensor(name, tensor.tensor_type.name, array, groups)

@@ -23,7 +23,7 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("q4k-"))
     if not files:
         raise ModelFormatError(f"{folder}: no *.safetensors weight files")
     tensors: dict[str, torch.Tensor] = {}

@@ -12,7 +12,8 @@ from draftwise.spec.proposer import Draft
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequence], num_tokens: list[int],
                            num_layers: int | None = None) -> list[Draft]:
-    """Feed each row what its cache lacks of the sequence, then draft num_tokens[b] tokens.
+    """Feed each row what its cache lacks of the sequence, then draft num_tokens[b] tokens
+    (rows asked for none are left alone and get an empty draft).
 
     Greedy requests take the argmax; sampled requests draw from the warped draft distribution
     with the request's own generator and keep those probabilities for verification.

@@ -19,13 +19,7 @@ class DraftModelProposer:
         return self._rows[seq.request_id]
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        active = [b for b, k in enumerate(num_tokens) if k > 0]
-        drafts = [Draft([]) for _ in seqs]
-        made = draft_autoregressively(self.runner, [self._row(seqs[b]) for b in active],
-                                      [seqs[b] for b in active], [num_tokens[b] for b in active])
-        for b, draft in zip(active, made):
-            drafts[b] = draft
-        return drafts
+        return draft_autoregressively(self.runner, [self._row(seq) for seq in seqs], seqs, num_tokens)
 
     def on_verified(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         # The cache holds the old tokens and the drafts fed back; the accepted ones stay, the

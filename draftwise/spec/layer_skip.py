@@ -18,16 +18,11 @@ class LayerSkipProposer:
         self.num_layers = num_layers
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
-        active = [b for b, k in enumerate(num_tokens) if k > 0]
-        drafts = [Draft([]) for _ in seqs]
-        rows = [seqs[b].row for b in active]
+        rows = [seq.row for seq in seqs]
         lengths = [self.runner.length(row) for row in rows]
-        made = draft_autoregressively(self.runner, rows, [seqs[b] for b in active],
-                                      [num_tokens[b] for b in active], num_layers=self.num_layers)
+        drafts = draft_autoregressively(self.runner, rows, seqs, num_tokens, num_layers=self.num_layers)
         for row, length in zip(rows, lengths):
             self.runner.truncate(row, length)  # the target's verification pass starts from here
-        for b, draft in zip(active, made):
-            drafts[b] = draft
         return drafts
 
     def on_verified(self, seqs: list[Sequence], num_accepted: list[int]) -> None:

@@ -1,0 +1,101 @@
+"""Replace a model's linear layers by weight-only quantized ones.
+
+Policy for `int4`, per linear layer (fused q/k/v and gate/up count as one):
+  - every part stored as Q4_K in the GGUF file -> int4 from the file's own 4-bit groups (exact);
+  - any part stored with more bits (Q5_0, Q6_K, Q8_0, ...) -> int8 per channel, keeping that precision;
+  - float checkpoints (F32/F16/BF16, HF folders) -> int4 quantized here (group 32, asymmetric).
+`int8` puts every linear layer in int8 per channel. The token embedding stays float (a lookup).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from draftwise.errors import InvalidParameterError
+from draftwise.model.config import ModelConfig
+from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
+
+QUANTIZATIONS = ("auto", "int4", "int8", "none")
+_FLOAT_TYPES = {None, "F32", "F16", "BF16", "F64"}
+
+
+@dataclass(slots=True)
+class QuantizationReport:
+    mode: str
+    int4_from_file: list[str] = field(default_factory=list)  # layers using the GGUF's own Q4_K groups
+    int4_quantized: list[str] = field(default_factory=list)  # layers quantized to int4 here
+    int8: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{self.mode}: {len(self.int4_from_file)} layers int4 from the file's Q4_K, "
+                f"{len(self.int4_quantized)} int4 quantized here, {len(self.int8)} int8")
+
+
+def check_quantization(mode: str) -> str:
+    if mode not in QUANTIZATIONS:
+        raise InvalidParameterError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    return mode
+
+
+def linear_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Our (possibly fused) linear layers and the checkpoint weights they are made of."""
+    sources: dict[str, list[str]] = {}
+    for i in range(config.num_hidden_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        sources[f"{attn}.qkv_proj"] = [f"{attn}.{p}_proj.weight" for p in "qkv"]
+        sources[f"{attn}.o_proj"] = [f"{attn}.o_proj.weight"]
+        sources[f"{mlp}.gate_up_proj"] = [f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"]
+        sources[f"{mlp}.down_proj"] = [f"{mlp}.down_proj.weight"]
+    sources["lm_head"] = ["embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    return sources
+
+
+def read_q4k_groups(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The Q4_K groups a conversion kept: name -> (quants uint8 [N, K], scales, minimums [N, K/32])."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for file in sorted(folder.glob("q4k-*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                name, kind = key.removeprefix("model.").rsplit(".", 1)
+                parts.setdefault(name, {})[kind] = handle.get_tensor(key)
+    groups = {}
+    for name, part in parts.items():
+        packed = part["quants"]  # [N, K/2]: low nibble = even column, high nibble = odd column
+        quants = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
+        groups[name] = (quants, part["scales"], part["minimums"])
+    return groups
+
+
+def stored_types(folder: Path) -> dict[str, str]:
+    marker = folder / "draftwise.json"
+    return json.loads(marker.read_text()).get("gguf_types", {}) if marker.is_file() else {}
+
+
+def quantize_model(model: nn.Module, mode: str, folder: Path) -> QuantizationReport:
+    """Quantize `model`'s linear layers in place (mode "int4" or "int8")."""
+    report = QuantizationReport(mode)
+    groups = read_q4k_groups(folder) if mode == "int4" else {}
+    types = stored_types(folder)
+    for path, sources in linear_sources(model.config).items():
+        parent_path, _, attribute = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        linear: nn.Linear = getattr(parent, attribute)
+        weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach().clone()
+        if mode == "int4" and all(source in groups for source in sources):
+            quants, scales, minimums = (torch.cat(parts) for parts in zip(*(groups[s] for s in sources)))
+            replacement = Int4Linear(quants, scales, minimums, bias)
+            report.int4_from_file.append(path)
+        elif mode == "int4" and all(types.get(source) in _FLOAT_TYPES for source in sources):
+            replacement = Int4Linear(*quantize_int4_groups(weight), bias)
+            report.int4_quantized.append(path)
+        else:
+            replacement = Int8Linear(weight, bias)
+            report.int8.append(path)
+        setattr(parent, attribute, replacement)
+    return report

@@ -1,0 +1,68 @@
+"""Weight-only quantized linear layers on PyTorch's packed CPU kernels.
+
+int4: groups of 32 input weights share a scale and a zero point (asymmetric), packed for
+`_weight_int4pack_mm_for_cpu`; weight = (q - 8) * scale + zero. int8: one scale per output
+channel (symmetric), for `_weight_int8pack_mm`. Activations, scales and outputs stay fp32, so the
+only error is the weights' own quantization.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP = 32
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        """quants uint8 [N, K] in 0..15; scales, minimums float32 [N, K/32]; weight = scale * q - minimum."""
+        super().__init__()
+        self.out_features, self.in_features = quants.shape
+        self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quants.to(torch.int32), 2)
+        zeros = 8 * scales - minimums  # (q - 8) * scale + zero == scale * q - minimum
+        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).float().contiguous()  # [K/32, N, 2]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, INT4_GROUP, self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] this layer computes with (for tests)."""
+        eye = torch.eye(self.in_features)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().contiguous()
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        weight = weight.float()
+        self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        self.weight_int8 = torch.round(weight / self.scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales[:, None]
+
+
+def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh asymmetric group-32 quantization of a float weight [N, K] (for tensors not stored as Q4_K)."""
+    groups = weight.float().view(weight.shape[0], -1, INT4_GROUP)  # [N, K/32, 32]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    quants = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return quants.view(weight.shape), scales, -low  # weight ~ scale * q - minimum with minimum = -low
