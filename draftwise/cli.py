@@ -21,7 +21,8 @@ def _generate(args: argparse.Namespace) -> None:
             speculative["model"] = args.draft
         if args.method == "layer_skip" and args.layers:
             speculative["num_layers"] = args.layers
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, speculative=speculative)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, speculative=speculative,
+              quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--draft", default=None, help="draft model for --method draft (default qwen2.5-coder-0.5b)")
     generate.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="tokens drafted per step")
     generate.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")
+    generate.add_argument("--quantization", default="auto", choices=["auto", "int4", "int8", "none"],
+                          help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
     generate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     generate.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
     generate.set_defaults(run=_generate)

@@ -64,6 +64,7 @@ class LLM:
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
         speculative: SpeculativeConfig | dict | None = None,
+        quantization: str = "auto",
         progress: bool = True,
     ) -> None:
         if max_model_len <= 0 or max_num_seqs <= 0:
@@ -75,7 +76,7 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_folder)
         config = SpeculativeConfig.from_value(speculative)
         draft_folder = self._check_draft(config, progress)  # before any weights load: fail fast
-        self.model = load_model(self.model_folder, self.device, self.dtype)
+        self.model = load_model(self.model_folder, self.device, self.dtype, quantization=quantization)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ModelFormatError(
                 f"{self.model_folder}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
@@ -117,7 +118,7 @@ class LLM:
             if num_layers >= total:
                 raise InvalidParameterError(f"layer_skip num_layers must be below the target's {total} layers")
             return LayerSkipProposer(self.runner, num_layers)
-        draft_model = load_model(draft_folder, self.device, self.dtype)
+        draft_model = load_model(draft_folder, self.device, self.dtype, quantization=config.quantization)
         return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len))
 
     # --- requests ---------------------------------------------------------------------------

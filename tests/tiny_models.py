@@ -35,7 +35,7 @@ def train_tokenizer(vocab_size: int = 320) -> Tokenizer:
 
 
 def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
-                     num_layers: int = 2, residual_scale: float = 1.0) -> Path:
+                     num_layers: int = 2, residual_scale: float = 1.0, hidden_size: int = 64) -> Path:
     """A random model saved as config.json + model.safetensors + tokenizer files.
 
     residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
@@ -47,7 +47,7 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     common = dict(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tie, initializer_range=0.2,
     )
@@ -70,7 +70,34 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     return folder
 
 
-def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False) -> Path:
+def encode_q4k(weight: np.ndarray) -> np.ndarray:
+    """A simple Q4_K encoder (gguf-py has none): per 32-weight group a scale and a minimum, both
+    stored as 6-bit multiples of a per-256 fp16 `d` / `dmin`. Returns bytes [rows, cols / 256 * 144]."""
+    rows, cols = weight.shape
+    groups = weight.astype(np.float32).reshape(-1, 8, 32)  # [blocks, 8, 32]
+    low = np.minimum(groups.min(axis=-1), 0)  # Q4_K can only subtract a minimum
+    spans = (groups.max(axis=-1) - low) / 15
+    d = (spans.max(axis=-1) / 63).astype(np.float16)
+    dmin = ((-low).max(axis=-1) / 63).astype(np.float16)
+    d32, dmin32 = np.maximum(d.astype(np.float32), 1e-8), np.maximum(dmin.astype(np.float32), 1e-8)
+    sc = np.clip(np.round(spans / d32[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-low / dmin32[:, None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    minimum = dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.round((groups + minimum[..., None]) / np.maximum(scale, 1e-8)[..., None]), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate([
+        (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+        (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+    ], axis=1)
+    q = q.reshape(-1, 4, 2, 32)  # 4 chunks of 64 weights: first 32 -> low nibbles, next 32 -> high
+    quants = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
+                             packed_scales, quants], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False) -> Path:
     """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out."""
     import gguf
     from safetensors.numpy import load_file
@@ -115,7 +142,9 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False) -> P
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = permute_rotary(array, heads)
-        if quantize_q8 and array.ndim == 2:
+        if quantize_q4k and array.ndim == 2 and array.shape[1] % 256 == 0:
+            writer.add_tensor(gguf_name, encode_q4k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif quantize_q8 and array.ndim == 2:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

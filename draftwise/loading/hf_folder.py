@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from draftwise.errors import ModelFormatError
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
+from draftwise.quant.apply import QuantizationReport, check_quantization, quantize_model
 from draftwise.model.transformer import Transformer
 
 
@@ -69,9 +70,26 @@ def _fused_state(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[
     return state
 
 
+def resolve_quantization(mode: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """`auto`: int4 on CPU (where PyTorch has its packed kernels), the float weights elsewhere."""
+    check_quantization(mode)
+    if mode == "auto":
+        return "int4" if torch.device(device).type == "cpu" and dtype == torch.float32 else "none"
+    if mode != "none" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        from draftwise.errors import InvalidParameterError
+
+        raise InvalidParameterError(f"quantization {mode!r} needs device cpu and dtype float32 (for now)")
+    return mode
+
+
 def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               pack_cpu_weights: bool = True) -> Transformer:
-    """Build the model on `device` in `dtype`; fp32 CPU weights are prepacked for oneDNN unless told not to."""
+               pack_cpu_weights: bool = True, quantization: str = "none") -> Transformer:
+    """Build the model on `device` in `dtype`.
+
+    quantization "int4"/"int8"/"auto" replaces linear layers by weight-only quantized ones (see
+    draftwise.quant.apply); with "none", fp32 CPU weights are prepacked for oneDNN unless told not to.
+    The report of what was quantized how is left on `model.quantization`.
+    """
     config = read_config(folder)
     try:
         state = _fused_state(_read_tensors(folder), config)
@@ -86,6 +104,10 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         model.lm_head.weight = model.embed_tokens.weight
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
-    if pack_cpu_weights:
+    mode = resolve_quantization(quantization, device, dtype)
+    model.quantization = QuantizationReport("none")
+    if mode != "none":
+        model.quantization = quantize_model(model, mode, folder)
+    elif pack_cpu_weights:
         pack_linear_layers(model)
     return model

@@ -1,4 +1,12 @@
-"""Grouped-query self-attention over a KV cache."""
+"""Grouped-query self-attention over a KV cache.
+
+Short forwards (decode steps and speculative verification, up to PER_QUERY_MAX queries per row)
+attend query by query, each over exactly the keys at positions <= its own, with no mask. That is
+the same call, on the same shapes, that one-token-at-a-time decoding makes at that position, so
+a query's result does not depend on how many queries or rows share the forward pass (a batched,
+masked SDPA call rounds differently). With batch-invariant linear layers, speculative decoding
+then computes bit for bit what plain decoding computes.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,8 @@ from torch import nn
 from draftwise.model.config import ModelConfig
 from draftwise.model.kv_cache import KVCacheView
 from draftwise.model.layers import apply_rotary
+
+PER_QUERY_MAX = 64
 
 
 class Attention(nn.Module):
@@ -46,8 +56,23 @@ class Attention(nn.Module):
         else:
             cache.write(self.layer_index, k, v)
             k, v = cache.read(self.layer_index, kv_length)  # [B, Hkv, T, D]
+            if seq <= PER_QUERY_MAX:
+                out = self._attend_per_query(q, k, v, cache.host_positions)
+                return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
             key_positions = torch.arange(kv_length, device=x.device)[None, :]  # [1, T]
         # A query at position p sees every key at a position <= p: causal and rollback-safe.
         mask = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, T]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    @staticmethod
+    def _attend_per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          host_positions: list[list[int]]) -> torch.Tensor:
+        """q [B, Hq, S, D] over k, v [B, Hkv, T, D]: each query alone over keys 0..its position."""
+        rows = []
+        for b, row_positions in enumerate(host_positions):
+            rows.append(torch.cat([
+                F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1],
+                                               enable_gqa=True)
+                for s, p in enumerate(row_positions)], dim=2))
+        return torch.cat(rows)  # [B, Hq, S, D]

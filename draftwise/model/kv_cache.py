@@ -28,8 +28,9 @@ class KVCache:
         self.num_rows = num_rows
         self.lengths = [0] * num_rows  # tokens held per row (host-side bookkeeping)
 
-    def view(self, rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None = None) -> "KVCacheView":
-        return KVCacheView(self, rows, positions, valid)
+    def view(self, rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None = None,
+             host_positions: list[list[int]] | None = None) -> "KVCacheView":
+        return KVCacheView(self, rows, positions, valid, host_positions)
 
     def truncate(self, row: int, length: int) -> None:
         """Roll a row back to its first `length` tokens."""
@@ -48,8 +49,10 @@ class KVCacheView:
     so that padding of a ragged batch is never written.
     """
 
-    def __init__(self, cache: KVCache, rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None) -> None:
+    def __init__(self, cache: KVCache, rows: list[int], positions: torch.Tensor, valid: torch.Tensor | None,
+                 host_positions: list[list[int]] | None = None) -> None:
         self.cache = cache
+        self.host_positions = host_positions if host_positions is not None else positions.tolist()  # [B][S]
         device = cache.keys.device
         first = rows[0]
         # Rows first..first+B-1 in order are a slice (a view); anything else needs gathering.

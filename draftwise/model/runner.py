@@ -84,7 +84,7 @@ class ModelRunner:
         token_tensor = torch.tensor(padded, device=self.device)  # [B, S]
         position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
         valid_tensor = None if valid is None else torch.tensor(valid, device=self.device)  # [B, S]
-        view = self.cache.view(rows, position_tensor, valid_tensor)
+        view = self.cache.view(rows, position_tensor, valid_tensor, positions)
         hidden, captured = self.model.hidden_states(
             token_tensor, position_tensor, view, kv_length=kv_length,
             num_layers=num_layers, capture_layers=capture_layers)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.registry import DEFAULT_DRAFT
+from draftwise.quant.apply import check_quantization
 
 METHODS = ("draft", "ngram", "layer_skip")
 
@@ -18,6 +19,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # method "ngram": shortest suffix to look up
     prompt_lookup_max: int = 4  # method "ngram": longest suffix to look up
     num_layers: int | None = None  # method "layer_skip": target layers used to draft (default: half)
+    quantization: str = "auto"  # method "draft": the draft model's weights (auto, int4, int8, none)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,6 +33,7 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_max}")
         if self.num_layers is not None and self.num_layers < 1:
             raise InvalidParameterError(f"num_layers must be >= 1, got {self.num_layers}")
+        check_quantization(self.quantization)
         if self.method == "draft" and self.model is None:
             self.model = DEFAULT_DRAFT
 

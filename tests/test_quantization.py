@@ -1,0 +1,117 @@
+"""Weight-only quantized layers: accuracy against their own dequantized weights, the Q4_K mapping,
+and the batch invariance that makes speculative decoding bit-identical to plain decoding."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from draftwise.errors import InvalidParameterError
+from draftwise.loading.hf_folder import load_model
+from draftwise.model.runner import ModelRunner
+from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
+from draftwise.quant.q4k import BLOCK_BYTES, q4k_to_groups
+
+
+def random_q4k_bytes(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid Q4_K data: fp16 d and dmin, random 6-bit scales/mins and 4-bit quants."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, BLOCK_BYTES), dtype=np.uint8)
+    blocks[:, 0:2] = np.frombuffer(rng.uniform(0.001, 0.01, len(blocks)).astype(np.float16).tobytes(),
+                                   np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = np.frombuffer(rng.uniform(0.001, 0.02, len(blocks)).astype(np.float16).tobytes(),
+                                   np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def test_q4k_groups_reproduce_gguf_dequantization_exactly():
+    raw = random_q4k_bytes(8, 512)
+    expected = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(8, 512)
+    quants, scales, minimums = q4k_to_groups(raw, 8, 512)
+    assert quants.max() <= 15 and scales.shape == (8, 16)
+    rebuilt = (scales[:, :, None] * quants.reshape(8, 16, 32) - minimums[:, :, None]).reshape(8, 512)
+    np.testing.assert_allclose(rebuilt, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_int4_layer_holds_the_q4k_weights_up_to_bf16_scales():
+    raw = random_q4k_bytes(64, 256, seed=1)
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(64, 256))
+    layer = Int4Linear(*(torch.from_numpy(a) for a in q4k_to_groups(raw, 64, 256)), None)
+    step = expected.abs().max()
+    assert (layer.dequantized() - expected).abs().max() < 0.01 * step  # bf16 scale/zero rounding only
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_layer_equals_its_dequantized_reference(kind):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 128) * 0.05, torch.randn(96)
+    layer = Int4Linear(*quantize_int4_groups(weight), bias) if kind == "int4" else Int8Linear(weight, bias)
+    x = torch.randn(5, 3, 128)
+    expected = x @ layer.dequantized().t() + bias
+    got = layer(x)
+    assert got.shape == (5, 3, 96)
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max()  # activations pass through bf16
+    if kind == "int4":  # the quantization itself: within half a step of each group, up to bf16 scales
+        quants, scales, minimums = quantize_int4_groups(weight)
+        exact = (scales[..., None] * quants.view(96, -1, 32).float() - minimums[..., None]).view(96, 128)
+        assert ((exact - weight).abs().view(96, -1, 32) <= scales[..., None] / 2 + 1e-7).all()
+        assert (layer.dequantized() - exact).abs().max() < 0.01 * weight.abs().max()
+    else:
+        step = weight.abs().amax(dim=1, keepdim=True) / 127
+        assert ((layer.dequantized() - weight).abs() <= step * 0.51).all()
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_layers_are_batch_invariant(kind):
+    torch.manual_seed(1)
+    weight = torch.randn(160, 64)
+    layer = Int4Linear(*quantize_int4_groups(weight), None) if kind == "int4" else Int8Linear(weight, None)
+    x = torch.randn(17, 64)
+    alone = [layer(x[i:i + 1]) for i in range(17)]
+    for rows in (2, 5, 9, 17):
+        together = layer(x[:rows])
+        assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows))
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_verification_pass_equals_single_steps_bit_for_bit(tiny_qwen, quantization):
+    """The property greedy losslessness rests on: k+1 tokens in one pass = k+1 decode steps."""
+    runner = ModelRunner(load_model(tiny_qwen, quantization=quantization), max_num_rows=3, max_len=128)
+    prompt, extra = [5, 17, 42, 99, 3, 250, 7], [8, 120, 33, 61, 2, 77]
+    rows = [runner.allocate() for _ in range(3)]
+    for row in rows:
+        runner.forward([row], [prompt], [1])
+    together = runner.forward([rows[0]], [extra], [len(extra)]).logits
+    steps = torch.cat([runner.forward([rows[1]], [[t]], [1]).logits for t in extra])
+    assert torch.equal(together, steps)
+    ragged = runner.forward([rows[2], rows[1]], [extra[:2], [9]], [2, 1]).logits
+    assert torch.equal(ragged[:2], together[:2])
+
+
+def test_quantization_report_and_bad_mode(tiny_qwen):
+    model = load_model(tiny_qwen, quantization="int4")
+    assert len(model.quantization.int4_quantized) == 2 * 4 + 1  # a float checkpoint: int4 everywhere
+    with pytest.raises(InvalidParameterError, match="quantization must be one of"):
+        load_model(tiny_qwen, quantization="int3")
+
+
+def test_gguf_q4k_tensors_use_the_files_groups(tmp_path, monkeypatch):
+    """A GGUF whose linear weights are Q4_K: the int4 model computes with exactly those weights."""
+    import json
+
+    from draftwise.loading.resolve import resolve_model
+    from tests.tiny_models import write_tiny_gguf, write_tiny_model
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    hf_folder = write_tiny_model(tmp_path / "wide", "qwen2", seed=3, hidden_size=256)
+    path = write_tiny_gguf(hf_folder, tmp_path / "q4k.gguf", quantize_q4k=True)
+    folder = resolve_model(str(path), progress=False)
+    types = json.loads((folder / "draftwise.json").read_text())["gguf_types"]
+    assert types["layers.0.mlp.gate_proj.weight"] == "Q4_K"
+    model = load_model(folder, quantization="int4")
+    assert "layers.0.mlp.gate_up_proj" in model.quantization.int4_from_file
+    reference = load_model(folder, quantization="none", pack_cpu_weights=False)
+    got = model.layers[0].mlp.gate_up_proj.dequantized()
+    expected = reference.layers[0].mlp.gate_up_proj.weight
+    assert (got - expected).abs().max() < 0.01 * expected.abs().max()
