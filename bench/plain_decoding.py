@@ -2,7 +2,7 @@
 
     python bench/plain_decoding.py [--prompts 4] [--max-tokens 64]
 
-Greedy, batch 1, fp32. The forward-cost curve (n = 1, 2, 4, 8, 16 new tokens on a warm cache) is
+Greedy, batch 1, fp32 weights (quantization="none"; bench/quantization.py covers int4/int8). The forward-cost curve (n = 1, 2, 4, 8, 16 new tokens on a warm cache) is
 what speculative decoding's economics rest on: verifying k drafted tokens costs a pass over k+1.
 It is measured for our default CPU path (oneDNN-prepacked weights) and for plain `F.linear`
 weights in the same run.
@@ -67,7 +67,7 @@ def main() -> None:
     load_total = 0.0
     for name in MODELS:
         start = time.perf_counter()
-        llm = LLM(name, max_num_seqs=1, progress=False)
+        llm = LLM(name, max_num_seqs=1, progress=False, quantization="none")
         load_seconds = time.perf_counter() - start
         load_total += load_seconds
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up

@@ -54,19 +54,23 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,3,4,6,8")
     parser.add_argument("--methods", default="draft,ngram,layer_skip")
     parser.add_argument("--layer-skip-layers", type=int, default=20)
+    parser.add_argument("--quantization", default="auto", help="weights of target and draft (auto = int4 on CPU)")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     prompts = humaneval_prompts(args.prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    command = f"python bench/speculative.py --prompts {args.prompts} --max-tokens {args.max_tokens} --ks {args.ks}"
+    command = (f"python bench/speculative.py --prompts {args.prompts} --max-tokens {args.max_tokens} --ks {args.ks} "
+               f"--quantization {args.quantization}")
 
-    llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=1, max_model_len=2048, progress=False)
+    llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=1, max_model_len=2048, progress=False,
+              quantization=args.quantization)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     results = {"plain": run(llm, prompts, params)}
     plain = results["plain"]
     print(f"plain {plain['tokens_per_s']:.2f} tok/s", flush=True)
     specs = {
-        "draft": lambda k: {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": k},
+        "draft": lambda k: {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": k,
+                            "quantization": args.quantization},
         "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k},
         "layer_skip": lambda k: {"method": "layer_skip", "num_layers": args.layer_skip_layers,
                                  "num_speculative_tokens": k},
@@ -93,7 +97,8 @@ def main() -> None:
                      f"{r['decode_tokens_per_s'] / plain['decode_tokens_per_s']:.2f}x",
                      f"{r['acceptance_rate']:.0%}" if name != "plain" else "-",
                      f"{r['mean_acceptance_length']:.2f}", positions, share, f"{equal}/{len(prompts)}"])
-    body = (f"HumanEval, first {len(prompts)} prompts, up to {args.max_tokens} new tokens, greedy, batch 1, fp32; "
+    body = (f"HumanEval, first {len(prompts)} prompts, up to {args.max_tokens} new tokens, greedy, batch 1, "
+            f"weights `{args.quantization}` (target and draft); "
             f"layer_skip drafts with the first {args.layer_skip_layers} of 28 layers.\n\n"
             + table(["config", "tok/s (with prefill)", "speedup", "decode-only speedup", "acceptance", "mean acc. length (incl. bonus)",
                      "acceptance by position", "time drafting", "outputs = plain"], rows))
