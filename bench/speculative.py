@@ -2,7 +2,7 @@
 
     python bench/speculative.py [--prompts 20] [--max-tokens 128] [--ks 1,2,3,4,6,8]
 
-Greedy, batch 1, fp32, the real pair (qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft), one
+Greedy, batch 1, the real pair (qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft; weights as --quantization), one
 process, one target: plain decoding first (the baseline), then each method at each k. Speedup =
 mean per-prompt tokens/s of the config / that of plain (Spec-Bench's definition,
 prefill included); the decode-only speedup leaves the (identical) prefill out. Mean acceptance

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from draftwise.errors import ModelFormatError
+from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
 from draftwise.quant.apply import QuantizationReport, check_quantization, quantize_model
@@ -76,8 +76,6 @@ def resolve_quantization(mode: str, device: torch.device | str, dtype: torch.dty
     if mode == "auto":
         return "int4" if torch.device(device).type == "cpu" and dtype == torch.float32 else "none"
     if mode != "none" and (torch.device(device).type != "cpu" or dtype != torch.float32):
-        from draftwise.errors import InvalidParameterError
-
         raise InvalidParameterError(f"quantization {mode!r} needs device cpu and dtype float32 (for now)")
     return mode
 
