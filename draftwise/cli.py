@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--draft", default=None, help="draft model for --method draft (default qwen2.5-coder-0.5b)")
     generate.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="tokens drafted per step")
     generate.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")
-    generate.add_argument("--quantization", default="auto", choices=["auto", "int4", "int8", "none"],
+    generate.add_argument("--quantization", default="auto", choices=["auto", "int4", "int4_all", "int8", "none"],
                           help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
     generate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     generate.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")

@@ -12,7 +12,7 @@ from draftwise.engine.engine import Engine
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.errors import InvalidParameterError, ModelFormatError, PromptTooLongError
-from draftwise.loading.hf_folder import load_model
+from draftwise.loading.hf_folder import load_model, resolve_quantization
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.model.runner import ModelRunner
@@ -118,7 +118,8 @@ class LLM:
             if num_layers >= total:
                 raise InvalidParameterError(f"layer_skip num_layers must be below the target's {total} layers")
             return LayerSkipProposer(self.runner, num_layers)
-        draft_model = load_model(draft_folder, self.device, self.dtype, quantization=config.quantization)
+        quantization = resolve_quantization(config.quantization, self.device, self.dtype, draft=True)
+        draft_model = load_model(draft_folder, self.device, self.dtype, quantization=quantization)
         return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len))
 
     # --- requests ---------------------------------------------------------------------------

@@ -115,3 +115,57 @@ def test_gguf_q4k_tensors_use_the_files_groups(tmp_path, monkeypatch):
     got = model.layers[0].mlp.gate_up_proj.dequantized()
     expected = reference.layers[0].mlp.gate_up_proj.weight
     assert (got - expected).abs().max() < 0.01 * expected.abs().max()
+
+
+@pytest.fixture()
+def mixed_q4k_model(tmp_path, monkeypatch):
+    """A converted GGUF like Q4_K_M: most linear weights Q4_K, v_proj and down_proj Q8_0."""
+    from draftwise.loading.resolve import resolve_model
+    from tests.tiny_models import write_tiny_gguf, write_tiny_model
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    hf_folder = write_tiny_model(tmp_path / "wide", "qwen2", seed=3, hidden_size=256)
+    path = write_tiny_gguf(hf_folder, tmp_path / "mixed.gguf", quantize_q8=True, quantize_q4k=True,
+                           q4k_except=("v_proj", "down_proj"))
+    return resolve_model(str(path), progress=False)
+
+
+def test_int4_keeps_wider_types_in_int8_and_int4_all_does_not(mixed_q4k_model):
+    int4 = load_model(mixed_q4k_model, quantization="int4").quantization
+    assert "layers.0.self_attn.qkv_proj" in int4.int8 and "layers.0.mlp.down_proj" in int4.int8
+    assert "layers.0.mlp.gate_up_proj" in int4.int4_from_file and not int4.int4_quantized
+    everything = load_model(mixed_q4k_model, quantization="int4_all")
+    report = everything.quantization
+    assert not report.int8
+    assert "layers.0.self_attn.qkv_proj" in report.int4_quantized  # q, k from the file, v quantized here
+    assert "layers.0.mlp.gate_up_proj" in report.int4_from_file
+    reference = load_model(mixed_q4k_model, quantization="none", pack_cpu_weights=False)
+    for name in ("self_attn.qkv_proj", "mlp.down_proj", "mlp.gate_up_proj"):
+        got = everything.layers[0].get_submodule(name).dequantized()
+        expected = reference.layers[0].get_submodule(name).weight
+        assert (got - expected).abs().max() < 0.1 * expected.abs().max(), name
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int4_all", "int8"])
+def test_packed_cache_gives_the_same_model_and_survives_damage(mixed_q4k_model, quantization, monkeypatch):
+    import draftwise.loading.hf_folder as hf_folder
+    from draftwise.quant.packed_cache import cache_path
+
+    def logits(model):
+        runner = ModelRunner(model, max_num_rows=1, max_len=64)
+        return runner.forward([runner.allocate()], [[5, 17, 42, 99, 3]], [5]).logits
+
+    path = cache_path(mixed_q4k_model, quantization)
+    assert not path.exists()
+    first = load_model(mixed_q4k_model, quantization=quantization)  # quantizes and writes the cache
+    assert path.is_file()
+    quantize = hf_folder.quantize_model
+    monkeypatch.setattr(hf_folder, "quantize_model", lambda *args: pytest.fail("quantized despite the cache"))
+    cached = load_model(mixed_q4k_model, quantization=quantization)  # reads it
+    monkeypatch.setattr(hf_folder, "quantize_model", quantize)
+    assert type(cached.lm_head) is type(first.lm_head) and cached.quantization == first.quantization
+    assert torch.equal(logits(first), logits(cached))
+    path.write_bytes(b"not a safetensors file")
+    rebuilt = load_model(mixed_q4k_model, quantization=quantization)  # ignored, rewritten
+    assert torch.equal(logits(first), logits(rebuilt))
+    assert load_model(mixed_q4k_model, quantization=quantization).quantization == first.quantization

@@ -97,8 +97,13 @@ def encode_q4k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False) -> Path:
-    """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out."""
+def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False,
+                    q4k_except: tuple[str, ...] = ()) -> Path:
+    """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out.
+
+    q4k_except: weight names containing one of these stay out of Q4_K (Q8_0 if quantize_q8), the
+    way a Q4_K_M file keeps some tensors wider.
+    """
     import gguf
     from safetensors.numpy import load_file
 
@@ -142,7 +147,8 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = permute_rotary(array, heads)
-        if quantize_q4k and array.ndim == 2 and array.shape[1] % 256 == 0:
+        wider = any(part in name for part in q4k_except)
+        if quantize_q4k and array.ndim == 2 and array.shape[1] % 256 == 0 and not wider:
             writer.add_tensor(gguf_name, encode_q4k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
         elif quantize_q8 and array.ndim == 2:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),

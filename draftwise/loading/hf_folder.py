@@ -12,6 +12,7 @@ from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
 from draftwise.quant.apply import QuantizationReport, check_quantization, quantize_model
+from draftwise.quant.packed_cache import cache_path, load_packed, save_packed
 from draftwise.model.transformer import Transformer
 
 
@@ -23,8 +24,9 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelFormatError(f"{path}: unreadable ({error})") from None
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("q4k-"))
+def _read_tensors(folder: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by our names ("model." dropped); `only` these names if given."""
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith(("q4k-", "packed-")))
     if not files:
         raise ModelFormatError(f"{folder}: no *.safetensors weight files")
     tensors: dict[str, torch.Tensor] = {}
@@ -32,7 +34,8 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    tensors[name.removeprefix("model.")] = handle.get_tensor(name)
+                    if only is None or name.removeprefix("model.") in only:
+                        tensors[name.removeprefix("model.")] = handle.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise ModelFormatError(f"{file}: corrupt or truncated safetensors file ({error})") from None
     return tensors
@@ -70,11 +73,16 @@ def _fused_state(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[
     return state
 
 
-def resolve_quantization(mode: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """`auto`: int4 on CPU (where PyTorch has its packed kernels), the float weights elsewhere."""
+def resolve_quantization(mode: str, device: torch.device | str, dtype: torch.dtype, *, draft: bool = False) -> str:
+    """`auto`: int4 on CPU (where PyTorch has its packed kernels), the float weights elsewhere.
+
+    For a draft model `auto` means int4_all: its accuracy only moves the acceptance rate.
+    """
     check_quantization(mode)
     if mode == "auto":
-        return "int4" if torch.device(device).type == "cpu" and dtype == torch.float32 else "none"
+        if torch.device(device).type != "cpu" or dtype != torch.float32:
+            return "none"
+        return "int4_all" if draft else "int4"
     if mode != "none" and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise InvalidParameterError(f"quantization {mode!r} needs device cpu and dtype float32 (for now)")
     return mode
@@ -89,6 +97,11 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     The report of what was quantized how is left on `model.quantization`.
     """
     config = read_config(folder)
+    mode = resolve_quantization(quantization, device, dtype)
+    if mode != "none":
+        cached = _load_packed_model(folder, config, mode)
+        if cached is not None:
+            return cached
     try:
         state = _fused_state(_read_tensors(folder), config)
     except ModelFormatError as error:
@@ -102,10 +115,30 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         model.lm_head.weight = model.embed_tokens.weight
     model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
-    mode = resolve_quantization(quantization, device, dtype)
     model.quantization = QuantizationReport("none")
     if mode != "none":
         model.quantization = quantize_model(model, mode, folder)
+        save_packed(model, model.quantization, cache_path(folder, mode))
     elif pack_cpu_weights:
         pack_linear_layers(model)
+    return model
+
+
+def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transformer | None:
+    """The model from its packed-weight cache (see draftwise.quant.packed_cache), or None."""
+    path = cache_path(folder, mode)
+    if not path.is_file():
+        return None
+    with torch.device("meta"):
+        model = Transformer(config)
+    report = load_packed(path, model)
+    if report is None:
+        return None
+    wanted = set(model.state_dict())  # what is left once the linear layers came from the cache
+    tensors = {name: tensor.float() for name, tensor in _read_tensors(folder, only=wanted).items()}
+    if wanted - set(tensors):
+        raise ModelFormatError(f"{folder}: weights missing from the checkpoint: {sorted(wanted - set(tensors))[:5]}")
+    model.load_state_dict(tensors, assign=True, strict=True)
+    model.eval().requires_grad_(False)
+    model.quantization = report
     return model

@@ -30,6 +30,19 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()  # [K/32, N, 2]
         self.bias = bias
 
+    @classmethod
+    def from_packed(cls, packed_weight: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    bias: torch.Tensor | None) -> "Int4Linear":
+        """Rebuild a layer from `packed_state()` (the packed-weight cache), without repacking."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = scales_and_zeros.shape[0] * INT4_GROUP, scales_and_zeros.shape[1]
+        layer.packed_weight, layer.scales_and_zeros, layer.bias = packed_weight, scales_and_zeros, bias
+        return layer
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        return {"packed_weight": self.packed_weight, "scales_and_zeros": self.scales_and_zeros}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, INT4_GROUP, self.scales_and_zeros)
@@ -56,6 +69,17 @@ class Int8Linear(nn.Module):
         self.scales = scales.to(KERNEL_DTYPE)
         self.weight_int8 = torch.round(weight / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.bias = bias
+
+    @classmethod
+    def from_packed(cls, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = weight_int8.shape
+        layer.weight_int8, layer.scales, layer.bias = weight_int8, scales, bias
+        return layer
+
+    def packed_state(self) -> dict[str, torch.Tensor]:
+        return {"weight_int8": self.weight_int8, "scales": self.scales}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)

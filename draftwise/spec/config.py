@@ -19,7 +19,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # method "ngram": shortest suffix to look up
     prompt_lookup_max: int = 4  # method "ngram": longest suffix to look up
     num_layers: int | None = None  # method "layer_skip": target layers used to draft (default: half)
-    quantization: str = "auto"  # method "draft": the draft model's weights (auto, int4, int8, none)
+    quantization: str = "auto"  # method "draft": the draft model's weights (auto = int4_all on CPU, int4, int8, none)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
