@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate`, `draftwise models`."""
+"""Command line: `draftwise generate`, `draftwise profile`, `draftwise models`."""
 
 from __future__ import annotations
 
@@ -14,14 +14,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None)
-    speculative = None
-    if args.method:
-        speculative = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
-        if args.method == "draft" and args.draft:
-            speculative["model"] = args.draft
-        if args.method == "layer_skip" and args.layers:
-            speculative["num_layers"] = args.layers
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, speculative=speculative,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, speculative=_speculative(args),
               quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
@@ -35,6 +28,66 @@ def _generate(args: argparse.Namespace) -> None:
     print()
     if final is not None:
         print(f"[{final.metrics.summary()}; finish: {final.finish_reason}]", file=sys.stderr)
+
+
+def _speculative(args: argparse.Namespace) -> dict | None:
+    if not args.method:
+        return None
+    speculative = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
+                   "adaptive": not args.fixed_k, "draft_confidence_threshold": args.confidence,
+                   "draft_probability": args.draft_probability}
+    if args.method == "draft" and args.draft:
+        speculative["model"] = args.draft
+    if args.method == "draft" and args.draft_vocab_size:
+        speculative["draft_vocab_size"] = args.draft_vocab_size
+    if args.method == "layer_skip" and args.layers:
+        speculative["num_layers"] = args.layers
+    return speculative
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from draftwise.adaptive.controller import best_num_tokens, expected_tokens
+    from draftwise.llm import LLM
+
+    speculative = _speculative(args)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, quantization=args.quantization)
+    if speculative is not None:
+        speculative["adaptive"] = False  # measured below, with --refresh honoured
+        llm.set_speculative(speculative)
+    costs = llm.measure_costs(llm.engine.proposer, llm.speculative, refresh=args.refresh)
+    print(f"cost model: {costs.key}\n")
+    print(costs.table())
+    if speculative is None:
+        return
+    plain = costs.step_seconds(0)
+    print(f"\nBest k per acceptance rate (constant over positions; k <= {args.num_speculative_tokens}):\n")
+    print("| acceptance | best k | tokens/step | speedup over plain |\n|---|---|---|---|")
+    for rate in (0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95):
+        rates = [rate] * args.num_speculative_tokens
+        k = best_num_tokens(rates, costs, args.num_speculative_tokens)
+        tokens = expected_tokens(rates, k)
+        print(f"| {rate:.2f} | {k} | {tokens:.2f} | {tokens / costs.step_seconds(k) * plain:.2f}x |")
+
+
+def _add_model_arguments(command: argparse.ArgumentParser, default_model: str) -> None:
+    command.add_argument("--model", default=default_model, help="known name, GGUF file or HF folder")
+    command.add_argument("--method", choices=["draft", "ngram", "layer_skip"], default=None,
+                         help="speculate with a draft model, prompt lookup, or the target's first layers")
+    command.add_argument("--draft", default=None, help="draft model for --method draft (default qwen2.5-coder-0.5b)")
+    command.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
+                         help="most tokens drafted per step (exactly this many with --fixed-k)")
+    command.add_argument("--fixed-k", action="store_true", help="always draft k tokens (default: adaptive k)")
+    command.add_argument("--confidence", type=float, default=0.0,
+                         help="stop drafting after a token drafted with less probability (0: never)")
+    command.add_argument("--draft-vocab-size", type=int, default=None,
+                         help="draft LM head over the N most frequent tokens only")
+    command.add_argument("--draft-probability", type=float, default=1.0,
+                         help="randomized drafting: draft with this probability per step")
+    command.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")
+    command.add_argument("--quantization", default="auto", choices=["auto", "int4", "int4_all", "int8", "none"],
+                         help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
+    command.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    command.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
 
 
 def _models(args: argparse.Namespace) -> None:
@@ -58,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text from a prompt, streaming it")
     generate.add_argument("prompt")
-    generate.add_argument("--model", default=DEFAULT_TARGET, help="known name, GGUF file or HF folder")
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -66,16 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    generate.add_argument("--method", choices=["draft", "ngram", "layer_skip"], default=None,
-                          help="speculate with a draft model, prompt lookup, or the target's first layers")
-    generate.add_argument("--draft", default=None, help="draft model for --method draft (default qwen2.5-coder-0.5b)")
-    generate.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="tokens drafted per step")
-    generate.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")
-    generate.add_argument("--quantization", default="auto", choices=["auto", "int4", "int4_all", "int8", "none"],
-                          help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
-    generate.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    generate.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
+    _add_model_arguments(generate, DEFAULT_TARGET)
     generate.set_defaults(run=_generate)
+
+    profile = commands.add_parser("profile", help="measure (or show the cached) costs speculation is planned with")
+    _add_model_arguments(profile, DEFAULT_TARGET)
+    profile.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    profile.set_defaults(run=_profile)
 
     models = commands.add_parser("models", help="list known models and where they are cached")
     models.set_defaults(run=_models)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.adaptive.cost_model import CostModel
+from draftwise.adaptive.policy import AdaptiveLength, FixedLength
+from draftwise.adaptive.profile import configuration_key, load_or_measure
 from draftwise.engine.engine import Engine
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
@@ -23,6 +26,7 @@ from draftwise.spec.layer_skip import LayerSkipProposer
 from draftwise.spec.metrics import SpecMetrics
 from draftwise.spec.ngram import NgramProposer
 from draftwise.spec.proposer import Proposer
+from draftwise.spec.vocab_trim import kept_token_ids, trim_lm_head
 from draftwise.spec.vocabulary import check_same_vocabulary
 from draftwise.tokenizer import Tokenizer
 
@@ -104,8 +108,23 @@ class LLM:
     def _install(self, config: SpeculativeConfig | None, draft_folder) -> None:
         self.speculative = config
         proposer = self._build_proposer(config, draft_folder)
-        self.engine = Engine(self.runner, proposer, config.num_speculative_tokens if config else 0)
+        self.cost_model = None
+        draft_length = None
+        if config is not None and config.adaptive:
+            self.cost_model = self.measure_costs(proposer, config)
+            draft_length = AdaptiveLength(self.cost_model, config.num_speculative_tokens)
+        elif config is not None:
+            draft_length = FixedLength(config.num_speculative_tokens)
+        self.engine = Engine(self.runner, proposer, draft_length)
         self.spec_metrics = SpecMetrics()  # totals over every finished request
+
+    def measure_costs(self, proposer: Proposer | None, config: SpeculativeConfig | None,
+                      refresh: bool = False) -> CostModel:
+        """This machine's cost model for the target (and drafter): cached on disk, measured if absent."""
+        drafter = "plain" if config is None else config.drafter_key()
+        key = configuration_key(self.model_folder, self.model.quantization.mode, self.device, self.dtype, drafter)
+        max_draft = config.num_speculative_tokens if config is not None else 0
+        return load_or_measure(key, self.runner, proposer, self.tokenizer, min(max_draft, 16), refresh=refresh)
 
     def _build_proposer(self, config: SpeculativeConfig | None, draft_folder) -> Proposer | None:
         if config is None:
@@ -117,10 +136,13 @@ class LLM:
             num_layers = config.num_layers or max(1, total // 2)
             if num_layers >= total:
                 raise InvalidParameterError(f"layer_skip num_layers must be below the target's {total} layers")
-            return LayerSkipProposer(self.runner, num_layers)
+            return LayerSkipProposer(self.runner, num_layers, config.draft_confidence_threshold)
         quantization = resolve_quantization(config.quantization, self.device, self.dtype, draft=True)
         draft_model = load_model(draft_folder, self.device, self.dtype, quantization=quantization)
-        return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len))
+        if config.draft_vocab_size is not None and config.draft_vocab_size < draft_model.config.vocab_size:
+            trim_lm_head(draft_model, kept_token_ids(self.tokenizer, config.draft_vocab_size))
+        return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len),
+                                  config.draft_confidence_threshold)
 
     # --- requests ---------------------------------------------------------------------------
     def _make_sequence(self, prompt: str, params: SamplingParams) -> Sequence:

@@ -22,6 +22,7 @@ class Tokenizer:
         if not path.is_file():
             raise ModelFormatError(f"{folder}: no tokenizer.json")
         self.name = folder.name
+        self.path = path
         self._tokenizer = HFTokenizer.from_file(str(path))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -59,6 +60,15 @@ class Tokenizer:
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Plain token ids of each text (no BOS), tokenized in parallel."""
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's added special tokens (control tokens such as EOS)."""
+        return frozenset(index for index, token in self._tokenizer.get_added_tokens_decoder().items() if token.special)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

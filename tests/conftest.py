@@ -5,6 +5,22 @@ import pytest
 from tests.tiny_models import write_tiny_gguf, write_tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def profiles_in_tmp(tmp_path_factory):
+    """Cost models measured by tests stay out of the user's cache."""
+    import os
+
+    from draftwise.adaptive.profile import PROFILES_ENV
+
+    previous = os.environ.get(PROFILES_ENV)
+    os.environ[PROFILES_ENV] = str(tmp_path_factory.mktemp("profiles"))
+    yield
+    if previous is None:
+        os.environ.pop(PROFILES_ENV, None)
+    else:
+        os.environ[PROFILES_ENV] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=0)

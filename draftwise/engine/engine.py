@@ -11,6 +11,7 @@ from collections import deque
 
 import torch
 
+from draftwise.adaptive.policy import DraftLengthPolicy
 from draftwise.engine.sequence import Sequence
 from draftwise.model.runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
@@ -19,10 +20,11 @@ from draftwise.spec.verify import verify
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None,
+                 draft_length: DraftLengthPolicy | None = None) -> None:
         self.runner = runner
-        self.proposer = proposer
-        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.proposer = proposer if draft_length is not None else None
+        self.draft_length = draft_length
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -45,6 +47,8 @@ class Engine:
         num_accepted = self._verify_and_commit(batch, drafts)
         if self.proposer is not None:
             self.proposer.on_verified(batch, num_accepted)
+            for seq, draft, accepted in zip(batch, drafts, num_accepted):
+                self.draft_length.observe(seq, len(draft.token_ids), accepted)
         for seq in batch:
             if seq.finished:
                 self._retire(seq)
@@ -62,12 +66,17 @@ class Engine:
         if self.proposer is None:
             return [Draft([]) for _ in batch]
         # Never draft past what the request may still emit: the verification adds one token.
-        num_tokens = [max(0, min(self.num_speculative_tokens, seq.num_tokens_left - 1)) for seq in batch]
-        start = time.perf_counter()
-        drafts = self.proposer.propose(batch, num_tokens)
-        elapsed = time.perf_counter() - start
-        for seq in batch:
-            seq.metrics.spec.draft_seconds += elapsed
+        num_tokens = [max(0, min(self.draft_length.num_tokens(seq, self.proposer.lag(seq)), seq.num_tokens_left - 1)) for seq in batch]
+        if not any(num_tokens):
+            drafts = [Draft([]) for _ in batch]
+        else:
+            start = time.perf_counter()
+            drafts = self.proposer.propose(batch, num_tokens)
+            elapsed = time.perf_counter() - start
+            for seq in batch:
+                seq.metrics.spec.draft_seconds += elapsed
+        for seq, draft in zip(batch, drafts):
+            seq.metrics.spec.num_plain_steps += not draft.token_ids
         return drafts
 
     def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft]) -> list[int]:
@@ -109,6 +118,7 @@ class Engine:
         seq.row = None
         if self.proposer is not None:
             self.proposer.release(seq)
+            self.draft_length.release(seq)
 
 
 def _pad_rows(flat: torch.Tensor, cu: list[int], width: int) -> torch.Tensor:

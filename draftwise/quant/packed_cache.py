@@ -60,15 +60,18 @@ def load_packed(path: Path, model: nn.Module) -> QuantizationReport | None:
                 return None
             report = QuantizationReport(**json.loads(metadata["report"]))
             layers = {}
+
+            def tensor(key: str) -> torch.Tensor:
+                # A fresh copy: the kernels need their own aligned memory, not a view into the file.
+                return handle.get_tensor(key).clone()
+
             for name in linear_sources(model.config):
-                bias = handle.get_tensor(f"{name}.bias") if f"{name}.bias" in handle.keys() else None
+                bias = tensor(f"{name}.bias") if f"{name}.bias" in handle.keys() else None
                 if name in report.int8:
-                    layers[name] = Int8Linear.from_packed(
-                        handle.get_tensor(f"{name}.weight_int8"), handle.get_tensor(f"{name}.scales"), bias)
+                    layers[name] = Int8Linear.from_packed(tensor(f"{name}.weight_int8"), tensor(f"{name}.scales"), bias)
                 else:
                     layers[name] = Int4Linear.from_packed(
-                        handle.get_tensor(f"{name}.packed_weight"), handle.get_tensor(f"{name}.scales_and_zeros"),
-                        bias)
+                        tensor(f"{name}.packed_weight"), tensor(f"{name}.scales_and_zeros"), bias)
     except (SafetensorError, OSError, KeyError, ValueError, TypeError):
         return None
     for name, layer in layers.items():

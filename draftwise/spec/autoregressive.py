@@ -11,9 +11,13 @@ from draftwise.spec.proposer import Draft
 
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequence], num_tokens: list[int],
-                           num_layers: int | None = None) -> list[Draft]:
+                           num_layers: int | None = None, confidence_threshold: float = 0.0) -> list[Draft]:
     """Feed each row what its cache lacks of the sequence, then draft num_tokens[b] tokens
     (rows asked for none are left alone and get an empty draft).
+
+    Confidence stop: a row stops drafting after a token the drafter gave a probability below
+    `confidence_threshold` (that token is still proposed: it is already paid for, and costs only
+    one more position in the verification pass).
 
     Greedy requests take the argmax; sampled requests draw from the warped draft distribution
     with the request's own generator and keep those probabilities for verification.
@@ -22,6 +26,7 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     token_ids: list[list[int]] = [[] for _ in seqs]
     probs: list[list[torch.Tensor]] = [[] for _ in seqs]
     pending = [seq.token_ids[runner.length(row):] for seq, row in zip(seqs, rows)]
+    num_tokens = list(num_tokens)
     for step in range(max(num_tokens, default=0)):
         live = [b for b, k in enumerate(num_tokens) if step < k]
         result = runner.forward([rows[b] for b in live], [pending[b] for b in live], [1] * len(live),
@@ -30,15 +35,25 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
         sampling = SamplingBatch.build(params, [seqs[b].generator for b in live], result.logits.shape[-1],
                                        result.logits.device)
         if sampling.all_greedy:
-            next_ids = result.logits.argmax(dim=-1).tolist()
+            next_ids = result.logits.argmax(dim=-1)  # [n]
+            confidence = torch.softmax(result.logits, dim=-1).amax(dim=-1) if confidence_threshold else None
         else:
             draft_probs = sampling_probs(result.logits, sampling)  # [n, V]
             sampled = sample_from_probs(draft_probs, sampling.generators)
-            next_ids = torch.where(sampling.greedy, result.logits.argmax(dim=-1), sampled).tolist()
+            next_ids = torch.where(sampling.greedy, result.logits.argmax(dim=-1), sampled)
             for i, b in enumerate(live):
                 if not params[i].greedy:
                     probs[b].append(draft_probs[i])
+            confidence = None
+            if confidence_threshold:  # the probability of the token drafted (greedy rows: the top one)
+                greedy_confidence = torch.softmax(result.logits, dim=-1).amax(dim=-1)
+                drafted_probs = draft_probs.gather(-1, next_ids[:, None]).squeeze(-1)
+                confidence = torch.where(sampling.greedy, greedy_confidence, drafted_probs)
+        unsure = (confidence < confidence_threshold).tolist() if confidence is not None else [False] * len(live)
         for i, b in enumerate(live):
-            token_ids[b].append(next_ids[i])
-            pending[b] = [next_ids[i]]
+            token = int(next_ids[i])
+            token_ids[b].append(token)
+            pending[b] = [token]
+            if unsure[i]:
+                num_tokens[b] = step + 1  # confidence stop
     return [Draft(ids, torch.stack(p) if p else None) for ids, p in zip(token_ids, probs)]

@@ -14,12 +14,17 @@ METHODS = ("draft", "ngram", "layer_skip")
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int = 5  # k: tokens drafted per verification step
+    num_speculative_tokens: int = 5  # k, or with adaptive=True the most k may be
+    adaptive: bool = True  # choose k per request and step from measured costs and acceptance (0: plain step)
     model: str | None = None  # method "draft": the draft model (default: qwen2.5-coder-0.5b)
     prompt_lookup_min: int = 1  # method "ngram": shortest suffix to look up
     prompt_lookup_max: int = 4  # method "ngram": longest suffix to look up
     num_layers: int | None = None  # method "layer_skip": target layers used to draft (default: half)
     quantization: str = "auto"  # method "draft": the draft model's weights (auto = int4_all on CPU, int4, int8, none)
+    draft_confidence_threshold: float = 0.0  # "draft"/"layer_skip": stop drafting after a token drafted with
+    # a probability below this (0: never)
+    draft_vocab_size: int | None = None  # "draft": LM head over the N most frequent tokens only (None: all)
+    draft_probability: float = 1.0  # randomized drafting: draft with this probability per step (1: always)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -34,6 +39,15 @@ class SpeculativeConfig:
         if self.num_layers is not None and self.num_layers < 1:
             raise InvalidParameterError(f"num_layers must be >= 1, got {self.num_layers}")
         check_quantization(self.quantization)
+        if not isinstance(self.adaptive, bool):
+            raise InvalidParameterError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if not 0.0 <= self.draft_confidence_threshold < 1.0:
+            raise InvalidParameterError(
+                f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 16):
+            raise InvalidParameterError(f"draft_vocab_size must be an integer >= 16, got {self.draft_vocab_size!r}")
+        if not 0.0 < self.draft_probability <= 1.0:
+            raise InvalidParameterError(f"draft_probability must be in (0, 1], got {self.draft_probability!r}")
         if self.method == "draft" and self.model is None:
             self.model = DEFAULT_DRAFT
 
@@ -53,3 +67,9 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def drafter_key(self) -> str:
+        """What determines the drafter's costs (not how it is controlled): keys the cost model cache."""
+        relevant = {"draft": ("model", "quantization", "draft_vocab_size"), "ngram": ("prompt_lookup_min",
+                    "prompt_lookup_max"), "layer_skip": ("num_layers",)}[self.method]
+        return self.method + "(" + ", ".join(f"{name}={getattr(self, name)}" for name in relevant) + ")"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class SpecMetrics:
     num_drafts: int = 0  # verification steps that carried at least one drafted token
+    num_plain_steps: int = 0  # decode steps without a draft (k = 0 chosen, or the drafter found nothing)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
@@ -29,6 +30,7 @@ class SpecMetrics:
 
     def merge(self, other: "SpecMetrics") -> None:
         self.num_drafts += other.num_drafts
+        self.num_plain_steps += other.num_plain_steps
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),

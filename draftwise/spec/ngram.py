@@ -39,3 +39,6 @@ class NgramProposer:
 
     def release(self, seq: Sequence) -> None:
         pass
+
+    def lag(self, seq: Sequence) -> int:
+        return 0

@@ -25,3 +25,7 @@ class Proposer(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """The sequence has finished: free anything held for it."""
+
+    def lag(self, seq: Sequence) -> int:
+        """Committed tokens the drafter has yet to absorb before it can draft for `seq` (its own
+        cache's backlog: the whole prompt before the first draft; 0 for drafters without a cache)."""

@@ -1,0 +1,1 @@
+"""Adaptive speculation: a measured cost model and the goodput controller that picks k."""

@@ -1,0 +1,114 @@
+"""Choosing how many tokens to draft, per request and per step, to maximise goodput.
+
+Let a_i be the probability that drafted token i is accepted given that tokens 1..i-1 were
+(estimated per position from what the request has seen). A step drafting k tokens then commits
+in expectation
+    E(k) = 1 + sum_{j=1..k} prod_{i=1..j} a_i       (the 1 is the recovered or bonus token)
+tokens and costs C(k) = draft(k) + target(k + 1) seconds (the measured `CostModel`), so its
+goodput is E(k) / C(k). k = 0 is a plain step: E = 1, C = target(1). The controller takes the
+best k up to the configured maximum. With constant a this is Leviathan et al.'s
+(1 - a^(k+1)) / ((1 - a)(k c + 1)) for c = draft(1)/target(1) and a flat verification cost.
+
+Estimates are exponential moving averages: after a draft of length m with r accepted, positions
+1..min(r + 1, m) were tried and 1..r accepted (later positions were never reached and learn
+nothing). A request starts from its drafter's running estimate over earlier requests. When the
+best choice is k = 0 nothing is learnt, so the controller probes with one drafted token after
+`probe_interval` plain steps; a failed probe doubles the interval (up to `max_probe_interval`),
+an accepted one resets it. That bounds the cost of probing at a few percent while letting the
+request return to speculation when acceptance rises again.
+
+A drafter with its own cache must first absorb what it has not seen (the prompt, before its first
+draft). That one-off cost is worth paying only if the request has enough tokens left to earn it
+back: with k the best choice, speculation saves C(0) - C(k)/E(k) seconds per token, so the
+controller drafts only if tokens_left times that exceeds the catch-up time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftwise.adaptive.cost_model import CostModel
+
+PRIOR_ACCEPTANCE = 0.6
+EMA_WEIGHT = 0.2
+
+
+@dataclass(slots=True)
+class AcceptanceEstimate:
+    rates: list[float]  # [K]: a_i for drafted positions i = 1..K (index 0 is position 1)
+    weight: float = EMA_WEIGHT
+
+    @classmethod
+    def prior(cls, max_tokens: int, rate: float = PRIOR_ACCEPTANCE) -> "AcceptanceEstimate":
+        return cls([rate] * max_tokens)
+
+    def copy(self) -> "AcceptanceEstimate":
+        return AcceptanceEstimate(list(self.rates), self.weight)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        for i in range(min(num_accepted + 1, num_drafted, len(self.rates))):
+            self.rates[i] += self.weight * (float(i < num_accepted) - self.rates[i])
+
+
+def expected_tokens(rates: list[float], num_draft_tokens: int) -> float:
+    """E(k): tokens a step drafting k tokens commits on average, recovered/bonus token included."""
+    total, reach = 1.0, 1.0
+    for rate in rates[:num_draft_tokens]:
+        reach *= rate
+        total += reach
+    return total
+
+
+def best_num_tokens(rates: list[float], costs: CostModel, max_tokens: int) -> int:
+    """argmax over k = 0..max_tokens of E(k) / C(k) (ties go to the smaller k)."""
+    best_k, best_goodput = 0, 1.0 / costs.step_seconds(0)
+    for k in range(1, min(max_tokens, len(rates)) + 1):
+        goodput = expected_tokens(rates, k) / costs.step_seconds(k)
+        if goodput > best_goodput * (1 + 1e-9):
+            best_k, best_goodput = k, goodput
+    return best_k
+
+
+@dataclass(slots=True)
+class GoodputController:
+    """One request's choice of k, step after step."""
+
+    costs: CostModel
+    max_tokens: int
+    estimate: AcceptanceEstimate
+    probe_interval: int = 8
+    max_probe_interval: int = 64
+    _interval: int = field(init=False, default=0)
+    _plain_steps: int = field(init=False, default=0)
+    _probing: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self._interval = self.probe_interval
+
+    def choose(self, lag: int = 1, tokens_left: int | None = None) -> int:
+        """k for the next step; `lag`: tokens the drafter must absorb first; `tokens_left`: the most
+        tokens the request may still emit (None: unbounded)."""
+        k = best_num_tokens(self.estimate.rates, self.costs, self.max_tokens)
+        self._probing = False
+        if k and tokens_left is not None and not self._earns_back(k, lag, tokens_left):
+            return 0
+        if k == 0:
+            self._plain_steps += 1
+            if self._plain_steps >= self._interval:
+                self._plain_steps, self._probing = 0, True
+                k = 1
+        else:
+            self._plain_steps = 0
+        return k
+
+    def _earns_back(self, k: int, lag: int, tokens_left: int) -> bool:
+        catch_up = self.costs.catch_up_seconds(lag)
+        if catch_up == 0:
+            return True
+        saving_per_token = self.costs.step_seconds(0) - self.costs.step_seconds(k) / expected_tokens(self.estimate.rates, k)
+        return saving_per_token * tokens_left > catch_up
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.estimate.observe(num_drafted, num_accepted)
+        if self._probing and num_drafted:
+            self._interval = self.probe_interval if num_accepted else min(2 * self._interval, self.max_probe_interval)

@@ -1,0 +1,61 @@
+"""How the engine asks how many tokens to draft for a request: a fixed k, or the goodput controller."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from draftwise.adaptive.controller import AcceptanceEstimate, GoodputController
+from draftwise.adaptive.cost_model import CostModel
+from draftwise.engine.sequence import Sequence
+
+
+class DraftLengthPolicy(Protocol):
+    def num_tokens(self, seq: Sequence, lag: int) -> int:
+        """Tokens to draft for `seq` this step (0: a plain step); lag: the drafter's backlog."""
+
+    def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """What the verification of this step's draft gave."""
+
+    def release(self, seq: Sequence) -> None:
+        """The request has finished."""
+
+
+class FixedLength:
+    def __init__(self, num_tokens: int) -> None:
+        self.k = num_tokens
+
+    def num_tokens(self, seq: Sequence, lag: int) -> int:
+        return self.k
+
+    def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class AdaptiveLength:
+    """A `GoodputController` per request, each starting from what earlier requests taught."""
+
+    def __init__(self, costs: CostModel, max_tokens: int, probe_interval: int = 8) -> None:
+        self.costs = costs
+        self.max_tokens = max_tokens
+        self.probe_interval = probe_interval
+        self.shared = AcceptanceEstimate.prior(max_tokens)  # the drafter's running estimate
+        self._controllers: dict[str, GoodputController] = {}
+
+    def controller(self, seq: Sequence) -> GoodputController:
+        if seq.request_id not in self._controllers:
+            self._controllers[seq.request_id] = GoodputController(
+                self.costs, self.max_tokens, self.shared.copy(), self.probe_interval)
+        return self._controllers[seq.request_id]
+
+    def num_tokens(self, seq: Sequence, lag: int) -> int:
+        return self.controller(seq).choose(lag, seq.num_tokens_left)
+
+    def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        self.controller(seq).observe(num_drafted, num_accepted)
+        self.shared.observe(num_drafted, num_accepted)
+
+    def release(self, seq: Sequence) -> None:
+        self._controllers.pop(seq.request_id, None)

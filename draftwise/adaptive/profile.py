@@ -1,0 +1,134 @@
+"""Measure a `CostModel` on the machine at hand, and cache it per configuration.
+
+The target is timed over n = 1..8, 12 and 16 new tokens after a 256-token context; the drafter is
+timed through its own `propose` (whatever it is: a model, a lookup, the target's first layers)
+for k = 1..K on the same context, rolled back after each call exactly as after a rejected
+draft. Each point is the fastest of a few round-robin repetitions after a warm-up. It takes a few seconds for
+the default pair on a 2-core CPU, once: the result is cached under the draftwise cache folder,
+keyed by the models, quantization, device, dtype, thread count and PyTorch version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from draftwise.adaptive.cost_model import CostModel
+from draftwise.engine.sequence import Sequence
+from draftwise.loading.cache_dir import cache_root
+from draftwise.model.runner import ModelRunner
+from draftwise.sampling.params import SamplingParams
+from draftwise.spec.proposer import Proposer
+from draftwise.tokenizer import Tokenizer
+
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+CONTEXT_TOKENS = 256
+REPEATS = 5
+_SAMPLE_TEXT = (
+    "def moving_average(values, window):\n"
+    "    \"\"\"Return the mean of each run of `window` consecutive values.\"\"\"\n"
+    "    if window <= 0:\n        raise ValueError('window must be positive')\n"
+    "    total = sum(values[:window])\n    result = [total / window]\n"
+    "    for i in range(window, len(values)):\n"
+    "        total += values[i] - values[i - window]\n        result.append(total / window)\n"
+    "    return result\n\n"
+    "The function keeps a running total, so each step costs the same however wide the window is. "
+)
+
+
+PROFILES_ENV = "DRAFTWISE_PROFILES"  # where cost models are cached (default: <cache>/profiles)
+
+
+def profile_path(key: str) -> Path:
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder = os.environ.get(PROFILES_ENV) or cache_root() / "profiles"
+    return Path(folder) / f"{digest}.json"
+
+
+def configuration_key(*parts: object) -> str:
+    return " | ".join(str(part) for part in (*parts, f"threads={torch.get_num_threads()}",
+                                             f"torch={torch.__version__}"))
+
+
+def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,
+                    max_draft_tokens: int, refresh: bool = False) -> CostModel:
+    """The cached cost model for `key`, measuring (and caching) it if absent or if asked to."""
+    path = profile_path(key)
+    cached = None if refresh else CostModel.read(path)
+    if cached is not None and cached.key == key and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens):
+        return cached
+    model = measure(runner, proposer, tokenizer, max_draft_tokens)
+    model.key = key
+    model.write(path)
+    return model
+
+
+def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,
+            max_draft_tokens: int) -> CostModel:
+    """Time the target over n new tokens and the drafter over k proposed tokens (needs a free row)."""
+    prompt_ids = _context_ids(tokenizer, min(CONTEXT_TOKENS, runner.max_len - max(TARGET_SIZES) - max_draft_tokens - 2))
+    params = SamplingParams(temperature=0.0, max_tokens=max(TARGET_SIZES) + max_draft_tokens + 1, ignore_eos=True)
+    seq = Sequence("cost-profile", "", prompt_ids, params, tokenizer, frozenset(), runner.max_len, runner.device)
+    seq.row = runner.allocate()
+    try:
+        runner.forward([seq.row], [prompt_ids[:-1]], [1])  # the cache holds all but the newest token
+        base = runner.length(seq.row)
+        filler = prompt_ids[-1]
+
+        def target_pass(n: int) -> None:
+            runner.forward([seq.row], [[filler] * n], [n])
+            runner.truncate(seq.row, base)
+
+        target = _fastest_seconds({n: (lambda n=n: target_pass(n)) for n in TARGET_SIZES})
+        draft: dict[int, list[float]] = {}
+        catch_up = 0.0
+        if proposer is not None:
+            proposer.propose([seq], [1])  # warm-up; a drafter with its own cache catches up here
+            proposer.on_verified([seq], [0])
+            for _ in range(REPEATS):
+                for k in range(1, max_draft_tokens + 1):
+                    start = time.perf_counter()
+                    drafted = len(proposer.propose([seq], [k])[0].token_ids)
+                    elapsed = time.perf_counter() - start
+                    proposer.on_verified([seq], [0])
+                    if drafted:
+                        draft.setdefault(drafted, []).append(elapsed)
+            catch_up = _catch_up_per_token(proposer, seq, min(draft.get(1, [0.0])))
+        return CostModel(target, {k: min(times) for k, times in draft.items()}, catch_up)
+    finally:
+        runner.free(seq.row)
+        seq.row = None
+
+
+def _catch_up_per_token(proposer: Proposer, seq: Sequence, warm_seconds: float) -> float:
+    """Time a first draft from scratch (the drafter's state released) against a warm one."""
+    proposer.release(seq)
+    backlog = proposer.lag(seq)
+    start = time.perf_counter()
+    proposer.propose([seq], [1])
+    fresh_seconds = time.perf_counter() - start
+    proposer.release(seq)
+    return max(0.0, fresh_seconds - warm_seconds) / (backlog - 1) if backlog > 1 else 0.0
+
+
+def _context_ids(tokenizer: Tokenizer, count: int) -> list[int]:
+    ids = tokenizer.encode(_SAMPLE_TEXT)
+    return (ids * (count // len(ids) + 1))[:max(count, 2)]
+
+
+def _fastest_seconds(runs: dict, repeats: int = REPEATS) -> dict:
+    """The fastest of `repeats` timings of each run, taken round-robin after a warm-up so that a
+    disturbance on a busy machine hits one repetition of many points, not every repetition of one."""
+    for run in runs.values():
+        run()
+    times: dict = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    return {key: min(values) for key, values in times.items()}

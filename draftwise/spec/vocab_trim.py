@@ -1,0 +1,111 @@
+"""A draft model whose LM head scores only the N most frequent tokens.
+
+The 0.5B Qwen's head is 151,936 x 896, about a quarter of its weights, so every draft step reads
+it in full although almost every drafted token comes from a few ten thousand of them. The trimmed
+head keeps the rows of the N most frequent tokens (plus every special token), and its logits are
+scattered back to full vocabulary ids with -inf elsewhere. Speculation stays lossless: a token
+the draft cannot propose is one the target produces itself at its verification step (for sampled
+requests the draft distribution is simply zero there, which rejection sampling allows).
+
+Frequencies come from a corpus every installation ships: the Python standard library's own
+source files (code, comments and docstrings; the first `CORPUS_CHARS` characters in a fixed
+order). The ranking is computed once per tokenizer and cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from draftwise.loading.cache_dir import cache_root
+from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
+from draftwise.tokenizer import Tokenizer
+
+CORPUS_CHARS = 6_000_000
+
+
+def corpus_files() -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py"))
+
+
+def token_counts(tokenizer: Tokenizer) -> np.ndarray:
+    """How often each token id occurs in the corpus ([V] int64), cached per tokenizer."""
+    digest = hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()[:16]
+    cache = cache_root() / "vocab" / f"stdlib-counts-{digest}-{CORPUS_CHARS}.npy"
+    if cache.is_file():
+        try:
+            return np.load(cache)
+        except (OSError, ValueError):
+            pass
+    texts, total = [], 0
+    for file in corpus_files():
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text[:CORPUS_CHARS - total])
+        total += len(texts[-1])
+        if total >= CORPUS_CHARS:
+            break
+    counts = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    for ids in tokenizer.encode_batch(texts):
+        np.add.at(counts, np.asarray(ids, dtype=np.int64), 1)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        np.save(cache, counts)
+    except OSError:
+        pass
+    return counts
+
+
+def kept_token_ids(tokenizer: Tokenizer, size: int) -> torch.Tensor:
+    """[N] sorted ids: every special token, then the most frequent others (ties: smaller id)."""
+    counts = token_counts(tokenizer)
+    special = sorted(tokenizer.special_token_ids)
+    special_set = set(special)
+    order = np.lexsort((np.arange(len(counts)), -counts))  # by count descending, then id
+    others = [int(i) for i in order if int(i) not in special_set][:max(0, size - len(special))]
+    return torch.tensor(sorted(special + others), dtype=torch.long)
+
+
+class TrimmedLMHead(nn.Module):
+    """LM head over `kept_ids` only; forward returns full-vocabulary logits (-inf off the list)."""
+
+    def __init__(self, head: nn.Module, kept_ids: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.head = head  # [N, H] rows of the original head, in the model's weight format
+        self.kept_ids = kept_ids
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        kept = self.head(hidden)  # [..., N]
+        logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
+        return logits.index_copy_(-1, self.kept_ids.to(kept.device), kept)
+
+
+def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
+    """Replace `model.lm_head` by a `TrimmedLMHead` in the same weight format as the rest."""
+    weight = _head_weight(model)[kept_ids].float().contiguous()  # [N, H]
+    mode = model.quantization.mode
+    if mode.startswith("int4"):
+        head = Int4Linear(*quantize_int4_groups(weight), None)
+    elif mode == "int8":
+        head = Int8Linear(weight, None)
+    else:
+        weight = weight.to(model.embed_tokens.weight.dtype)
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        head.weight = nn.Parameter(weight, requires_grad=False)
+    model.lm_head = TrimmedLMHead(head, kept_ids.to(weight.device), model.config.vocab_size)
+
+
+def _head_weight(model: nn.Module) -> torch.Tensor:
+    if model.config.tie_word_embeddings:
+        return model.embed_tokens.weight
+    head = model.lm_head
+    return head.weight if isinstance(head, nn.Linear) else head.dequantized()
