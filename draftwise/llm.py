@@ -115,7 +115,8 @@ class LLM:
             draft_length = AdaptiveLength(self.cost_model, config.num_speculative_tokens)
         elif config is not None:
             draft_length = FixedLength(config.num_speculative_tokens)
-        self.engine = Engine(self.runner, proposer, draft_length)
+        self.engine = Engine(self.runner, proposer, draft_length,
+                             config.draft_probability if config is not None else 1.0)
         self.spec_metrics = SpecMetrics()  # totals over every finished request
 
     def measure_costs(self, proposer: Proposer | None, config: SpeculativeConfig | None,

@@ -42,10 +42,11 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_equality(name, k, tiny_qwen, random_draft, plain):
-    llm = speculative(tiny_qwen, **CONFIGS[name](tiny_qwen, random_draft, k))
+def test_greedy_equality(name, k, adaptive, tiny_qwen, random_draft, plain):
+    llm = speculative(tiny_qwen, **CONFIGS[name](tiny_qwen, random_draft, k), adaptive=adaptive)
     assert_same(llm, plain, PROMPTS + [REPETITIVE], GREEDY)
     metrics = llm.spec_metrics
     assert metrics.num_draft_tokens > 0
@@ -53,6 +54,84 @@ def test_greedy_equality(name, k, tiny_qwen, random_draft, plain):
         assert metrics.acceptance_rate == 1.0 and metrics.mean_acceptance_length > 1
     if name == "random draft":
         assert metrics.acceptance_rate < 0.3
+
+
+class CyclingLength:
+    """A draft-length policy that walks through a fixed pattern of k, plain steps (k = 0) included."""
+
+    def __init__(self, pattern):
+        self.pattern, self.step = pattern, 0
+
+    def num_tokens(self, seq, lag):
+        self.step += 1
+        return self.pattern[self.step % len(self.pattern)]
+
+    def observe(self, seq, num_drafted, num_accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_equality_with_plain_steps_between_drafts(name, tiny_qwen, random_draft, plain):
+    """k changing every step, with runs of k = 0: a draft model must catch up on what it missed."""
+    llm = speculative(tiny_qwen, **CONFIGS[name](tiny_qwen, random_draft, 6), adaptive=False)
+    llm.engine.draft_length = CyclingLength([0, 3, 0, 0, 1, 6, 0, 2, 5])
+    assert_same(llm, plain, PROMPTS + [REPETITIVE], GREEDY)
+    assert llm.spec_metrics.num_plain_steps > 0 and llm.spec_metrics.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("setting", [
+    {"draft_confidence_threshold": 0.6},
+    {"draft_vocab_size": 40},
+    {"draft_probability": 0.5},
+    {"draft_confidence_threshold": 0.3, "draft_vocab_size": 64, "draft_probability": 0.7},
+])
+@pytest.mark.parametrize("drafter", ["draft=target", "random draft", "layer_skip"])
+def test_greedy_equality_for_every_controller_setting(setting, drafter, tiny_qwen, random_draft, plain):
+    config = CONFIGS[drafter](tiny_qwen, random_draft, 5)
+    if drafter == "layer_skip" and "draft_vocab_size" in setting:
+        pytest.skip("the trimmed head belongs to a separate draft model")
+    for adaptive in (False, True):
+        llm = speculative(tiny_qwen, **config, **setting, adaptive=adaptive)
+        assert_same(llm, plain, PROMPTS + [REPETITIVE], GREEDY)
+
+
+def test_confidence_stop_shortens_drafts(tiny_qwen, random_draft):
+    def mean_draft_length(threshold):
+        llm = speculative(tiny_qwen, method="draft", model=str(random_draft), num_speculative_tokens=6,
+                          adaptive=False, draft_confidence_threshold=threshold)
+        llm.generate(PROMPTS, GREEDY)
+        return llm.spec_metrics.num_draft_tokens / llm.spec_metrics.num_drafts
+
+    assert mean_draft_length(0.0) == 6 or mean_draft_length(0.0) > 5  # only max_tokens cuts drafts short
+    assert mean_draft_length(0.9) < 3
+
+
+def test_trimmed_draft_vocabulary_only_proposes_kept_tokens(tiny_qwen):
+    from draftwise.spec.vocab_trim import kept_token_ids
+
+    llm = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=4, adaptive=False,
+                      draft_vocab_size=40)
+    kept = set(kept_token_ids(llm.tokenizer, 40).tolist())
+    assert len(kept) == 40 and llm.tokenizer.special_token_ids <= kept
+    drafted = []
+    original = llm.engine.proposer.propose
+    llm.engine.proposer.propose = lambda seqs, k: [drafted.extend(d.token_ids) or d for d in original(seqs, k)]
+    llm.generate(PROMPTS, GREEDY)
+    assert drafted and set(drafted) <= kept
+    assert llm.spec_metrics.acceptance_rate < 1.0  # the full-vocabulary draft=target accepts everything
+
+
+def test_randomized_drafting_sampling_is_seeded_and_takes_plain_steps(tiny_qwen):
+    llm = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=3, adaptive=False,
+                      draft_probability=0.5)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert first == [o.token_ids for o in llm.generate(PROMPTS, params)]
+    metrics = llm.spec_metrics
+    assert metrics.num_plain_steps > 0.2 * (metrics.num_plain_steps + metrics.num_drafts)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +189,10 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, random_draft):
     ({"method": "ngram", "lookahead": 3}, "unknown speculative option"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "draft", "draft_confidence_threshold": 1.5}, "draft_confidence_threshold"),
+    ({"method": "draft", "draft_vocab_size": 3}, "draft_vocab_size"),
+    ({"method": "draft", "draft_probability": 0}, "draft_probability"),
+    ({"method": "ngram", "adaptive": "yes"}, "adaptive"),
 ])
 def test_bad_speculative_config(tiny_qwen, spec, message):
     with pytest.raises(InvalidParameterError, match=message):

@@ -118,3 +118,58 @@ def test_the_distribution_test_catches_accepting_everything(monkeypatch):
     original = verify_module._uniform
     monkeypatch.setattr(verify_module, "_uniform", lambda *args: torch.zeros_like(original(*args)))
     assert max(run_speculative_sampling(point_mass=False)) > CHI2_CRITICAL_DF4
+
+
+# --- Randomized drafting (see the proof in draftwise/spec/verify.py) ---------------------------
+
+def run_randomized_drafting(point_mass: bool, rate: float, plain_step_from_p: bool = False, seed: int = 0):
+    """Per step a coin with P(heads) = rate: heads verifies the draft with the relaxed first test,
+    tails takes a plain step from R = norm(max(0, p - rate q)) (or, the unsafe form, from p)."""
+    torch.manual_seed(seed)
+    target_probs = torch.tensor([[0.10, 0.40, 0.20, 0.25, 0.05],
+                                 [0.30, 0.05, 0.15, 0.20, 0.30],
+                                 [0.20, 0.20, 0.20, 0.20, 0.20]])
+    draft_probs = torch.tensor([[0.50, 0.10, 0.10, 0.20, 0.10],
+                                [0.05, 0.40, 0.25, 0.10, 0.20]])
+    if point_mass:
+        drafts, draft_probs_arg = torch.tensor([[3, 0]]).expand(TRIALS, 2), None
+    else:
+        drafts = torch.stack([torch.multinomial(draft_probs[i], TRIALS, replacement=True) for i in range(2)], 1)
+        draft_probs_arg = draft_probs.expand(TRIALS, 2, V)
+    logits = target_probs.log().expand(TRIALS, 3, V)
+    tails = torch.rand(TRIALS) >= rate
+    num_draft = torch.full((TRIALS,), 2)
+    if plain_step_from_p:  # the unsafe form: tails is an ordinary plain step
+        num_draft = torch.where(tails, 0, num_draft)
+        result = verify(drafts, num_draft, logits, draft_probs_arg, batch(TRIALS, temperature=1.0),
+                        draft_rate=torch.full((TRIALS,), rate))
+    else:
+        result = verify(drafts, num_draft, logits, draft_probs_arg, batch(TRIALS, temperature=1.0),
+                        draft_rate=torch.full((TRIALS,), rate), draft_skipped=tails)
+    out, accepted = result.output_token_ids, result.num_accepted
+    stats = [chi_square(out[accepted >= position, position], target_probs[position]) for position in range(3)]
+    heads_acceptance = float((accepted[~tails] >= 1).double().mean())
+    return stats, heads_acceptance
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+@pytest.mark.parametrize("rate", [0.3, 0.7])
+def test_randomized_drafting_follows_the_target_distribution(point_mass, rate):
+    stats, heads_acceptance = run_randomized_drafting(point_mass, rate)
+    for position, statistic in enumerate(stats):
+        assert statistic < CHI2_CRITICAL_DF4, f"position {position}: chi2 {statistic:.1f}"
+    plain_acceptance = float((run_speculative_sampling_acceptance(point_mass)))
+    assert heads_acceptance > plain_acceptance + 0.05  # the relaxed test does accept more often
+
+
+def run_speculative_sampling_acceptance(point_mass: bool) -> float:
+    p = torch.tensor([0.10, 0.40, 0.20, 0.25, 0.05])
+    q = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]) if point_mass else torch.tensor([0.50, 0.10, 0.10, 0.20, 0.10])
+    return float(torch.minimum(p, q).sum())  # first-position acceptance of ordinary speculative sampling
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_the_distribution_test_catches_the_unsafe_randomized_form(point_mass):
+    """Accepting with min(1, p / (a q)) while tails draws from p skews the first token."""
+    stats, _ = run_randomized_drafting(point_mass, rate=0.5, plain_step_from_p=True)
+    assert stats[0] > CHI2_CRITICAL_DF4

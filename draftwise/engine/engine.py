@@ -21,10 +21,11 @@ from draftwise.spec.verify import verify
 
 class Engine:
     def __init__(self, runner: ModelRunner, proposer: Proposer | None = None,
-                 draft_length: DraftLengthPolicy | None = None) -> None:
+                 draft_length: DraftLengthPolicy | None = None, draft_probability: float = 1.0) -> None:
         self.runner = runner
         self.proposer = proposer if draft_length is not None else None
         self.draft_length = draft_length
+        self.draft_probability = draft_probability  # randomized drafting (sampled requests; see spec.verify)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -38,17 +39,18 @@ class Engine:
         """One step; returns the sequences that received tokens (finished ones included)."""
         if self.waiting and self.runner.num_free_rows:
             batch = [self._admit(self.waiting.popleft())]  # prefill one prompt: no padding waste
-            drafts = [Draft([])]
+            drafts, skipped = [Draft([])], [False]
         else:
             batch = list(self.running)
             if not batch:
                 return []
-            drafts = self._propose(batch)
-        num_accepted = self._verify_and_commit(batch, drafts)
+            drafts, skipped = self._propose(batch)
+        num_accepted = self._verify_and_commit(batch, drafts, skipped)
         if self.proposer is not None:
             self.proposer.on_verified(batch, num_accepted)
-            for seq, draft, accepted in zip(batch, drafts, num_accepted):
-                self.draft_length.observe(seq, len(draft.token_ids), accepted)
+            for seq, draft, accepted, skip in zip(batch, drafts, num_accepted, skipped):
+                if not skip:
+                    self.draft_length.observe(seq, len(draft.token_ids), accepted)
         for seq in batch:
             if seq.finished:
                 self._retire(seq)
@@ -62,11 +64,18 @@ class Engine:
             self._retire(seq)
 
     # --- the steps --------------------------------------------------------------------------
-    def _propose(self, batch: list[Sequence]) -> list[Draft]:
+    def _propose(self, batch: list[Sequence]) -> tuple[list[Draft], list[bool]]:
+        """Drafts, and per row whether randomized drafting's coin turned the step into a plain one."""
+        skipped = [False] * len(batch)
         if self.proposer is None:
-            return [Draft([]) for _ in batch]
+            return [Draft([]) for _ in batch], skipped
         # Never draft past what the request may still emit: the verification adds one token.
-        num_tokens = [max(0, min(self.draft_length.num_tokens(seq, self.proposer.lag(seq)), seq.num_tokens_left - 1)) for seq in batch]
+        num_tokens = [max(0, min(self.draft_length.num_tokens(seq, self.proposer.lag(seq)), seq.num_tokens_left - 1))
+                      for seq in batch]
+        if self.draft_probability < 1:
+            for b, seq in enumerate(batch):
+                if num_tokens[b] and not seq.params.greedy and not _coin(self.draft_probability, seq.generator):
+                    num_tokens[b], skipped[b] = 1, True  # tails: a plain step, which needs q at position 1
         if not any(num_tokens):
             drafts = [Draft([]) for _ in batch]
         else:
@@ -75,17 +84,20 @@ class Engine:
             elapsed = time.perf_counter() - start
             for seq in batch:
                 seq.metrics.spec.draft_seconds += elapsed
-        for seq, draft in zip(batch, drafts):
-            seq.metrics.spec.num_plain_steps += not draft.token_ids
-        return drafts
+        skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
+        for seq, draft, skip in zip(batch, drafts, skipped):
+            seq.metrics.spec.num_plain_steps += skip or not draft.token_ids
+        return drafts, skipped
 
-    def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft]) -> list[int]:
+    def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool]) -> list[int]:
         start = time.perf_counter()
         rows = [seq.row for seq in batch]
-        # Each row feeds what its cache lacks (the prompt, or the newest token) plus its draft.
-        new_tokens = [seq.token_ids[self.runner.length(seq.row):] + d.token_ids for seq, d in zip(batch, drafts)]
+        # Each row feeds what its cache lacks (the prompt, or the newest token) plus its draft
+        # (not a skipped one: that row's plain step only needs the target at the first position).
+        new_tokens = [seq.token_ids[self.runner.length(seq.row):] + ([] if skip else d.token_ids)
+                      for seq, d, skip in zip(batch, drafts, skipped)]
         num_draft = [len(d.token_ids) for d in drafts]
-        result = self.runner.forward(rows, new_tokens, [n + 1 for n in num_draft])
+        result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)])
         width = max(num_draft)
         device = result.logits.device
         target_logits = _pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
@@ -93,16 +105,20 @@ class Engine:
                                        target_logits.shape[-1], device)
         draft_ids = torch.tensor([d.token_ids + [0] * (width - len(d.token_ids)) for d in drafts],
                                  dtype=torch.long, device=device)
+        randomized = self.draft_probability < 1 and not sampling.all_greedy
         verified = verify(draft_ids.view(len(batch), width), torch.tensor(num_draft, device=device),
-                          target_logits, _stack_draft_probs(drafts, width), sampling)
+                          target_logits, _stack_draft_probs(drafts, width), sampling,
+                          draft_rate=_draft_rates(batch, self.draft_probability, device) if randomized else None,
+                          draft_skipped=torch.tensor(skipped, device=device) if randomized else None)
         output_ids = verified.output_token_ids.tolist()  # the step's one host sync
         num_accepted = verified.num_accepted.tolist()
         elapsed = time.perf_counter() - start
-        for seq, tokens, accepted, drafted in zip(batch, output_ids, num_accepted, num_draft):
+        for seq, tokens, accepted, drafted, skip in zip(batch, output_ids, num_accepted, num_draft, skipped):
             seq.append(tokens[:accepted + 1])
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
-            seq.metrics.spec.record(drafted, accepted)
+            if not skip:
+                seq.metrics.spec.record(drafted, accepted)
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
@@ -119,6 +135,15 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(seq)
             self.draft_length.release(seq)
+
+
+def _coin(probability: float, generator: torch.Generator | None) -> bool:
+    return bool(torch.rand((), generator=generator, device=generator.device if generator else None) < probability)
+
+
+def _draft_rates(batch: list[Sequence], probability: float, device) -> torch.Tensor:
+    """[B] randomized drafting's a per row: the configured probability for sampled rows, 1 for greedy ones."""
+    return torch.tensor([1.0 if seq.params.greedy else probability for seq in batch], device=device)
 
 
 def _pad_rows(flat: torch.Tensor, cu: list[int], width: int) -> torch.Tensor:

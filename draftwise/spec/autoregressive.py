@@ -29,6 +29,8 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     num_tokens = list(num_tokens)
     for step in range(max(num_tokens, default=0)):
         live = [b for b, k in enumerate(num_tokens) if step < k]
+        if not live:  # every row stopped early (confidence)
+            break
         result = runner.forward([rows[b] for b in live], [pending[b] for b in live], [1] * len(live),
                                 num_layers=num_layers)
         params = [seqs[b].params for b in live]

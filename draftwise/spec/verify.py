@@ -15,6 +15,23 @@ drafter's distribution at position i (both after the same temperature / top-k / 
   if all k are accepted, emit a draw from p_k (the bonus token).
 Every emitted token then follows p exactly. A deterministic drafter (n-gram) is a point mass
 q_i = 1[x = x_i]: accept with probability p_i(x_i), recover from p_i with x_i removed.
+
+Randomized drafting (`draft_rate` a < 1 for a row, sampled rows only): the engine flips a coin
+c ~ Bernoulli(a) per step, independent of everything else. Heads: the draft is verified with the
+first position's test relaxed to
+  accept x_1 with probability min(1, p(x_1) / (a q(x_1))),  on rejection draw from R;
+tails (`draft_skipped`): the target takes a plain step that draws from R instead of p, where
+  R = norm(max(0, p - a q)).
+Later positions use the ordinary test. Proof that the first emitted token follows p exactly:
+with m(x) = min(a q(x), p(x)) and M = sum_x m(x), heads emits x by acceptance with probability
+q(x) min(1, p(x)/(a q(x))) = m(x)/a, and rejects with probability 1 - M/a; so
+  P(x) = (1 - a) R(x) + a [m(x)/a + (1 - M/a) R(x)] = m(x) + (1 - M) R(x).
+Since R(x) = (p(x) - m(x)) / (1 - M) (the normaliser of max(0, p - a q) is sum p - m = 1 - M),
+P(x) = m(x) + p(x) - m(x) = p(x). (If M = 1 then m = p and R is never needed.) Given x_1, the
+later positions are ordinary speculative sampling, so the whole step follows the target. The
+often-quoted form that accepts with min(1, p / (a q)) but lets the plain step draw from p is NOT
+lossless: its tails branch gives (1 - a) p(x) instead of (1 - a) R(x), e.g. p = (1/2, 1/2),
+q = (1, 0), a = 1/2 emits token 0 with probability 3/4. The Monte-Carlo test checks both.
 """
 
 from __future__ import annotations
@@ -46,6 +63,8 @@ def verify(
     target_logits: torch.Tensor,  # [B, K+1, V]
     draft_probs: torch.Tensor | None,  # [B, K, V'] with V' <= V, or None: every draft is a point mass
     sampling: SamplingBatch,  # one row per sequence
+    draft_rate: torch.Tensor | None = None,  # [B] randomized drafting's a per row (1: off)
+    draft_skipped: torch.Tensor | None = None,  # [B] bool: the coin said "plain step" (first token from R)
 ) -> VerifyResult:
     batch, width = draft_token_ids.shape
     positions = torch.arange(width, device=draft_token_ids.device)
@@ -57,14 +76,15 @@ def verify(
     output = target_argmax.clone()
     if not sampling.all_greedy:
         sampled_output, sampled_accepted = _speculative_sampling(
-            draft_token_ids, is_draft, num_draft, target_logits, draft_probs, sampling)
+            draft_token_ids, is_draft, num_draft, target_logits, draft_probs, sampling, draft_rate, draft_skipped)
         output = torch.where(sampling.greedy[:, None], output, sampled_output)
         num_accepted = torch.where(sampling.greedy, num_accepted, sampled_accepted)
     emitted = torch.arange(width + 1, device=output.device)[None, :] <= num_accepted[:, None]
     return VerifyResult(output.masked_fill(~emitted, -1), num_accepted)
 
 
-def _speculative_sampling(draft_token_ids, is_draft, num_draft, target_logits, draft_probs, sampling):
+def _speculative_sampling(draft_token_ids, is_draft, num_draft, target_logits, draft_probs, sampling,
+                          draft_rate=None, draft_skipped=None):
     batch, width = draft_token_ids.shape
     vocab = target_logits.shape[-1]
     per_position = sampling.repeat(width + 1)
@@ -78,14 +98,20 @@ def _speculative_sampling(draft_token_ids, is_draft, num_draft, target_logits, d
     p_draft = target_probs[:, :width].gather(-1, index).squeeze(-1)  # p_i(x_i)  [B, K]
     q_draft = draft_probs.gather(-1, index).squeeze(-1)  # q_i(x_i)  [B, K]
     uniform = _uniform(batch, width, sampling.generators, target_probs.device)  # [B, K]
-    accept = (uniform * q_draft <= p_draft) & is_draft  # u <= p/q without dividing
+    rate = torch.ones(batch, width, dtype=q_draft.dtype, device=q_draft.device)  # [B, K]: a at position 1
+    if draft_rate is not None and width:
+        rate[:, 0] = draft_rate
+    accept = (uniform * rate * q_draft <= p_draft) & is_draft  # u <= p/(a q) without dividing
+    if draft_skipped is not None and width:
+        accept[:, 0] &= ~draft_skipped
     num_accepted = accept.int().cumprod(dim=-1).sum(dim=-1)  # [B]
 
     # The last emitted token: recovered (from the residual) where a draft was rejected, else bonus.
     rows = torch.arange(batch, device=target_probs.device)
     last = num_accepted.clamp(max=width)
     p_last = target_probs[rows, last]  # [B, V]
-    q_last = draft_probs[rows, last.clamp(max=max(width - 1, 0))] if width else torch.zeros_like(p_last)
+    last_draft = last.clamp(max=max(width - 1, 0))
+    q_last = draft_probs[rows, last_draft] * rate[rows, last_draft][:, None] if width else torch.zeros_like(p_last)
     rejected = (num_accepted < num_draft)[:, None]
     final_probs = torch.where(rejected, residual_probs(p_last, q_last), p_last)
     final_token = sample_from_probs(final_probs, sampling.generators)  # [B]

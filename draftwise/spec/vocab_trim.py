@@ -84,7 +84,7 @@ class TrimmedLMHead(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        kept = self.head(hidden)  # [..., N]
+        kept = self.head(hidden)[..., :len(self.kept_ids)]  # [..., N] (the head may carry padding rows)
         logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
         return logits.index_copy_(-1, self.kept_ids.to(kept.device), kept)
 
@@ -93,6 +93,8 @@ def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
     """Replace `model.lm_head` by a `TrimmedLMHead` in the same weight format as the rest."""
     weight = _head_weight(model)[kept_ids].float().contiguous()  # [N, H]
     mode = model.quantization.mode
+    if mode.startswith("int4") and len(kept_ids) % 16:  # the packed int4 kernel wants N % 16 == 0
+        weight = torch.cat([weight, weight.new_zeros(16 - len(kept_ids) % 16, weight.shape[1])])
     if mode.startswith("int4"):
         head = Int4Linear(*quantize_int4_groups(weight), None)
     elif mode == "int8":

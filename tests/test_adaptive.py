@@ -1,0 +1,119 @@
+"""The cost model, the goodput controller's decisions, and the measured profile behind them."""
+
+import json
+
+import pytest
+
+from draftwise import LLM
+from draftwise.adaptive.controller import AcceptanceEstimate, GoodputController, best_num_tokens, expected_tokens
+from draftwise.adaptive.cost_model import CostModel
+from draftwise.adaptive.profile import profile_path
+from draftwise.cli import main
+
+
+def costs(plain=0.070, per_extra_token=0.012, draft_per_token=0.020, catch_up=0.0, cliff_at=None):
+    """A synthetic cost model: target(n) = plain + (n - 1) * per_extra_token, draft(k) = k * draft_per_token."""
+    target = {n: plain + (n - 1) * per_extra_token for n in range(1, 17)}
+    if cliff_at is not None:
+        target = {n: t * (3 if n >= cliff_at else 1) for n, t in target.items()}
+    return CostModel(target, {k: k * draft_per_token for k in range(1, 17)}, catch_up)
+
+
+def test_expected_tokens_is_the_leviathan_sum():
+    alpha = 0.8
+    for k in range(0, 9):
+        assert expected_tokens([alpha] * 8, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+
+
+def test_goodput_matches_the_leviathan_speedup_with_flat_verification():
+    alpha, c = 0.7, 0.25
+    model = CostModel({n: 1.0 for n in range(1, 17)}, {k: k * c for k in range(1, 17)})
+    for k in range(1, 9):
+        speedup = expected_tokens([alpha] * 8, k) / model.step_seconds(k) * model.step_seconds(0)
+        assert speedup == pytest.approx((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)))
+
+
+def test_expensive_verification_and_low_acceptance_mean_plain_steps():
+    model = costs(per_extra_token=0.060, draft_per_token=0.030)
+    assert best_num_tokens([0.3] * 8, model, 8) == 0
+    assert best_num_tokens([0.6] * 8, costs(cliff_at=2), 8) == 0  # verifying 2 tokens costs 3x
+
+
+def test_cheap_verification_and_high_acceptance_mean_long_drafts():
+    model = costs(per_extra_token=0.001, draft_per_token=0.002)
+    assert best_num_tokens([0.95] * 8, model, 8) >= 6
+    assert best_num_tokens([0.95] * 8, model, 3) == 3  # num_speculative_tokens is the upper bound
+    assert best_num_tokens([0.95, 0.95, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], model, 8) == 2  # per-position estimates
+
+
+def test_the_cost_cliff_of_the_int4_kernel_caps_k():
+    assert best_num_tokens([0.95] * 8, costs(cliff_at=5), 8) == 3  # 5+ verified tokens cost 3x
+
+
+def test_estimate_learns_only_from_positions_that_were_tried():
+    estimate = AcceptanceEstimate([0.5] * 4, weight=0.5)
+    estimate.observe(num_drafted=4, num_accepted=1)  # position 1 accepted, 2 rejected, 3 and 4 never tried
+    assert estimate.rates == [0.75, 0.25, 0.5, 0.5]
+    estimate.observe(num_drafted=2, num_accepted=2)  # both accepted; nothing about position 3
+    assert estimate.rates == [0.875, 0.625, 0.5, 0.5]
+
+
+def test_controller_backs_off_probes_and_recovers():
+    controller = GoodputController(costs(), 4, AcceptanceEstimate.prior(4, 0.9), probe_interval=4)
+    assert controller.choose() > 0
+    choices = []
+    for _ in range(60):  # acceptance collapses: every draft rejected
+        k = controller.choose()
+        choices.append(k)
+        controller.observe(k, 0)
+    assert choices[-1] == 0 and choices.count(0) > 45
+    probes = [i for i, k in enumerate(choices) if k and i > 10]
+    assert len(probes) >= 2 and probes[-1] - probes[-2] > 4  # failed probes space out
+    for _ in range(200):  # acceptance returns: probes succeed and the controller drafts again
+        k = controller.choose()
+        controller.observe(k, k)
+        if k >= 2:
+            break
+    assert k >= 2
+
+
+def test_controller_skips_a_catch_up_that_cannot_pay_off():
+    model = costs(catch_up=0.005)  # 5 ms per backlog token
+    controller = GoodputController(model, 4, AcceptanceEstimate.prior(4, 0.8))
+    assert controller.choose(lag=1000, tokens_left=10) == 0  # 5 s of catch-up for 10 tokens
+    assert controller.choose(lag=1000, tokens_left=100_000) > 0
+    assert controller.choose(lag=2, tokens_left=10) > 0
+
+
+def test_cost_model_interpolates_and_round_trips(tmp_path):
+    model = CostModel({1: 0.1, 4: 0.4, 8: 0.6}, {1: 0.02, 2: 0.04}, 0.001, key="k")
+    assert model.target_seconds(2) == pytest.approx(0.2)
+    assert model.target_seconds(12) == pytest.approx(0.8)  # extrapolated along the last segment
+    assert model.draft_seconds(4) == pytest.approx(0.08)
+    assert model.catch_up_seconds(11) == pytest.approx(0.01)
+    model.write(tmp_path / "m.json")
+    assert CostModel.read(tmp_path / "m.json") == model
+    (tmp_path / "bad.json").write_text("{")
+    assert CostModel.read(tmp_path / "bad.json") is None
+
+
+def test_profile_is_measured_once_and_cached(tiny_qwen):
+    llm = LLM(str(tiny_qwen), max_model_len=256, progress=False,
+              speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4})
+    model = llm.cost_model
+    assert set(model.target) >= {1, 2, 4, 8, 16} and all(t > 0 for t in model.target.values())
+    assert set(model.draft) == {1, 2, 3, 4} and model.draft[4] > model.draft[1]
+    assert model.catch_up > 0  # the draft model has its own cache to fill
+    path = profile_path(model.key)
+    assert json.loads(path.read_text())["key"] == model.key
+    again = LLM(str(tiny_qwen), max_model_len=256, progress=False,
+                speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4})
+    assert again.cost_model == model  # read back, not measured again
+    ngram = LLM(str(tiny_qwen), max_model_len=256, progress=False, speculative={"method": "ngram"})
+    assert ngram.cost_model.catch_up == 0 and ngram.cost_model.key != model.key
+
+
+def test_profile_command_prints_the_table(tiny_qwen, capsys):
+    assert main(["profile", "--model", str(tiny_qwen), "--method", "ngram", "-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "target forward ms" in out and "best k" in out
