@@ -38,8 +38,8 @@ def _speculative(args: argparse.Namespace) -> dict | None:
                    "draft_probability": args.draft_probability}
     if args.method == "draft" and args.draft:
         speculative["model"] = args.draft
-    if args.method == "draft" and args.draft_vocab_size:
-        speculative["draft_vocab_size"] = args.draft_vocab_size
+    if args.method == "draft" and args.draft_vocab_size is not None:
+        speculative["draft_vocab_size"] = args.draft_vocab_size or None  # 0: the full vocabulary
     if args.method == "layer_skip" and args.layers:
         speculative["num_layers"] = args.layers
     return speculative
@@ -80,7 +80,7 @@ def _add_model_arguments(command: argparse.ArgumentParser, default_model: str) -
     command.add_argument("--confidence", type=float, default=0.0,
                          help="stop drafting after a token drafted with less probability (0: never)")
     command.add_argument("--draft-vocab-size", type=int, default=None,
-                         help="draft LM head over the N most frequent tokens only")
+                         help="draft LM head over the N most frequent tokens only (default 32768; 0: all)")
     command.add_argument("--draft-probability", type=float, default=1.0,
                          help="randomized drafting: draft with this probability per step")
     command.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")

@@ -117,3 +117,13 @@ def test_profile_command_prints_the_table(tiny_qwen, capsys):
     assert main(["profile", "--model", str(tiny_qwen), "--method", "ngram", "-k", "3"]) == 0
     out = capsys.readouterr().out
     assert "target forward ms" in out and "best k" in out
+
+
+def test_rarely_tried_positions_borrow_the_estimate_before_them():
+    estimate = AcceptanceEstimate.prior(4, 0.5)
+    for _ in range(10):
+        estimate.observe(num_drafted=1, num_accepted=1)  # k = 1 every time: positions 2..4 never tried
+    assert estimate.rates[1:] == [0.5, 0.5, 0.5]
+    assert estimate.effective_rates() == [estimate.rates[0]] * 4 and estimate.rates[0] > 0.9
+    model = costs(per_extra_token=0.005, draft_per_token=0.005)
+    assert best_num_tokens(estimate.effective_rates(), model, 4) > 1  # so the controller tries a longer draft

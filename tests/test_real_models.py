@@ -76,9 +76,9 @@ def first_difference(llm, prompt, expected, got) -> str:
 
 @pytest.mark.parametrize("weights", ["fp32", "int4"])
 @pytest.mark.parametrize("spec", [
-    {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4},
-    {"method": "ngram", "num_speculative_tokens": 3},
-    {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 2},
+    {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, "adaptive": False},
+    {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+    {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 2, "adaptive": False},
 ], ids=["draft", "ngram", "layer_skip"])
 def test_real_speculative_greedy_equals_plain(request, weights, spec):
     """fp32: equal unless a near-tie flips (the gap is reported); int4 (the default): bit-identical passes."""
@@ -95,6 +95,23 @@ def test_real_speculative_greedy_equals_plain(request, weights, spec):
     problems = [first_difference(target, p, e, g) for p, e, g in zip(SPEC_PROMPTS, expected, got) if e != g]
     assert not problems, "\n".join(problems)
     assert accepted > 0
+
+
+def test_real_adaptive_speculation_equals_plain(quantized_target):
+    """The default controller with every option on, on the default int4 weights."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    quantized_target.set_speculative(None)
+    expected = [o.token_ids for o in quantized_target.generate(SPEC_PROMPTS, params)]
+    quantized_target.set_speculative({"method": "draft", "num_speculative_tokens": 4, "draft_vocab_size": 32768,
+                                      "draft_confidence_threshold": 0.3})
+    try:
+        assert quantized_target.cost_model.target_seconds(1) > 0
+        got = [o.token_ids for o in quantized_target.generate(SPEC_PROMPTS, params)]
+        metrics = quantized_target.spec_metrics
+    finally:
+        quantized_target.set_speculative(None)
+    assert got == expected
+    assert metrics.num_drafts + metrics.num_plain_steps > 0
 
 
 def test_real_tokenizer_mismatch_is_a_clear_error():

@@ -9,9 +9,11 @@ goodput is E(k) / C(k). k = 0 is a plain step: E = 1, C = target(1). The control
 best k up to the configured maximum. With constant a this is Leviathan et al.'s
 (1 - a^(k+1)) / ((1 - a)(k c + 1)) for c = draft(1)/target(1) and a flat verification cost.
 
-Estimates are exponential moving averages: after a draft of length m with r accepted, positions
-1..min(r + 1, m) were tried and 1..r accepted (later positions were never reached and learn
-nothing). A request starts from its drafter's running estimate over earlier requests. When the
+Estimates are exponential moving averages (running means over the first few observations):
+after a draft of length m with r accepted, positions 1..min(r + 1, m) were tried and 1..r
+accepted (later positions were never reached and learn nothing; a position with too few
+observations borrows the estimate of the one before it). A request starts from its drafter's
+running estimate over earlier requests. When the
 best choice is k = 0 nothing is learnt, so the controller probes with one drafted token after
 `probe_interval` plain steps; a failed probe doubles the interval (up to `max_probe_interval`),
 an accepted one resets it. That bounds the cost of probing at a few percent while letting the
@@ -29,25 +31,41 @@ from dataclasses import dataclass, field
 
 from draftwise.adaptive.cost_model import CostModel
 
-PRIOR_ACCEPTANCE = 0.6
+PRIOR_ACCEPTANCE = 0.8  # before anything is seen: optimistic, so that a first draft finds out
 EMA_WEIGHT = 0.2
+MIN_OBSERVATIONS = 4
 
 
 @dataclass(slots=True)
 class AcceptanceEstimate:
     rates: list[float]  # [K]: a_i for drafted positions i = 1..K (index 0 is position 1)
+    counts: list[int] = field(default_factory=list)  # [K]: observations behind each rate
     weight: float = EMA_WEIGHT
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * len(self.rates)
 
     @classmethod
     def prior(cls, max_tokens: int, rate: float = PRIOR_ACCEPTANCE) -> "AcceptanceEstimate":
         return cls([rate] * max_tokens)
 
     def copy(self) -> "AcceptanceEstimate":
-        return AcceptanceEstimate(list(self.rates), self.weight)
+        return AcceptanceEstimate(list(self.rates), list(self.counts), self.weight)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         for i in range(min(num_accepted + 1, num_drafted, len(self.rates))):
-            self.rates[i] += self.weight * (float(i < num_accepted) - self.rates[i])
+            self.counts[i] += 1
+            weight = max(self.weight, 1.0 / (self.counts[i] + 1))  # a running mean until the EMA takes over
+            self.rates[i] += weight * (float(i < num_accepted) - self.rates[i])
+
+    def effective_rates(self) -> list[float]:
+        """The rates decisions use: a position seldom tried (k rarely reached it) is assumed as good
+        as the one before it, so a controller that settled on a small k can still find out that
+        a larger one pays."""
+        effective: list[float] = []
+        for i, (rate, count) in enumerate(zip(self.rates, self.counts)):
+            effective.append(rate if i == 0 or count >= MIN_OBSERVATIONS else effective[-1])
+        return effective
 
 
 def expected_tokens(rates: list[float], num_draft_tokens: int) -> float:
@@ -88,25 +106,33 @@ class GoodputController:
     def choose(self, lag: int = 1, tokens_left: int | None = None) -> int:
         """k for the next step; `lag`: tokens the drafter must absorb first; `tokens_left`: the most
         tokens the request may still emit (None: unbounded)."""
-        k = best_num_tokens(self.estimate.rates, self.costs, self.max_tokens)
+        rates = self.estimate.effective_rates()
+        k = best_num_tokens(rates, self.costs, self.max_tokens)
         self._probing = False
-        if k and tokens_left is not None and not self._earns_back(k, lag, tokens_left):
+        if k and tokens_left is not None and not self._earns_back(rates, k, lag, tokens_left):
             return 0
         if k == 0:
             self._plain_steps += 1
-            if self._plain_steps >= self._interval:
+            if self._plain_steps >= self._interval and self._probe_is_cheap(lag, tokens_left):
                 self._plain_steps, self._probing = 0, True
                 k = 1
         else:
             self._plain_steps = 0
         return k
 
-    def _earns_back(self, k: int, lag: int, tokens_left: int) -> bool:
+    def _earns_back(self, rates: list[float], k: int, lag: int, tokens_left: int) -> bool:
         catch_up = self.costs.catch_up_seconds(lag)
         if catch_up == 0:
             return True
-        saving_per_token = self.costs.step_seconds(0) - self.costs.step_seconds(k) / expected_tokens(self.estimate.rates, k)
+        saving_per_token = self.costs.step_seconds(0) - self.costs.step_seconds(k) / expected_tokens(rates, k)
         return saving_per_token * tokens_left > catch_up
+
+    def _probe_is_cheap(self, lag: int, tokens_left: int | None) -> bool:
+        """A probe that must first absorb a long backlog may cost at most a tenth of the request's
+        remaining plain decoding time."""
+        if tokens_left is None:
+            return True
+        return self.costs.catch_up_seconds(lag) <= 0.1 * tokens_left * self.costs.step_seconds(0)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.estimate.observe(num_drafted, num_accepted)

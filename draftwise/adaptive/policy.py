@@ -46,8 +46,11 @@ class AdaptiveLength:
 
     def controller(self, seq: Sequence) -> GoodputController:
         if seq.request_id not in self._controllers:
-            self._controllers[seq.request_id] = GoodputController(
-                self.costs, self.max_tokens, self.shared.copy(), self.probe_interval)
+            # A seeded request starts from the prior, not from what other requests taught: its k
+            # choices (and so how it draws its random numbers) then depend on itself alone, and the
+            # same seed gives the same output on the same machine.
+            start = AcceptanceEstimate.prior(self.max_tokens) if seq.params.seed is not None else self.shared.copy()
+            self._controllers[seq.request_id] = GoodputController(self.costs, self.max_tokens, start, self.probe_interval)
         return self._controllers[seq.request_id]
 
     def num_tokens(self, seq: Sequence, lag: int) -> int:

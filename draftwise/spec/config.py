@@ -23,7 +23,7 @@ class SpeculativeConfig:
     quantization: str = "auto"  # method "draft": the draft model's weights (auto = int4_all on CPU, int4, int8, none)
     draft_confidence_threshold: float = 0.0  # "draft"/"layer_skip": stop drafting after a token drafted with
     # a probability below this (0: never)
-    draft_vocab_size: int | None = None  # "draft": LM head over the N most frequent tokens only (None: all)
+    draft_vocab_size: int | None = 32768  # "draft": LM head over the N most frequent tokens only (None: all)
     draft_probability: float = 1.0  # randomized drafting: draft with this probability per step (1: always)
 
     def __post_init__(self) -> None:
