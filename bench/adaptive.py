@@ -13,7 +13,7 @@ k, the best one found by bench/speculative.py (draft 2, ngram 1, layer_skip 1).
 Speedup = (tokens / seconds of the config) / (tokens / seconds of plain) over the category's
 prompts, prefill included (Spec-Bench's definition). tau = generated tokens after the first per
 target decoding step (plain = 1.00; Spec-Bench's mean accepted tokens). Every output is
-compared with plain's. Results are saved after every config (bench/results/adaptive-partial.json);
+compared with plain's. Results are saved after every config (bench/results/<name>-partial.json);
 `--report-only` writes the report from that file.
 """
 
@@ -45,7 +45,6 @@ CONFIGS = {
     "layer_skip k=1": {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 1, "adaptive": False},
 }
 ADAPTIVE_K = 8
-PARTIAL = RESULTS / "adaptive-partial.json"
 
 
 def workload(llm: LLM, per_category: int, humaneval: int) -> list[tuple[str, str]]:
@@ -118,10 +117,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--name", default="adaptive", help="BENCHMARKS.md section and results file")
     args = parser.parse_args()
+    partial = RESULTS / f"{args.name}-partial.json"
     command = f"python bench/adaptive.py --per-category {args.per_category} --humaneval {args.humaneval} " \
               f"--max-tokens {args.max_tokens}"
-    results: dict[str, list[dict]] = json.loads(PARTIAL.read_text()) if args.report_only else {}
+    if args.configs != ",".join(CONFIGS):
+        command += f" --configs '{args.configs}'"
+    if args.name != "adaptive":
+        command += f" --name {args.name}"
+    results: dict[str, list[dict]] = json.loads(partial.read_text()) if args.report_only else {}
     if not args.report_only:
         llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=1, max_model_len=4096, progress=False)
         items = workload(llm, args.per_category, args.humaneval)
@@ -136,7 +141,7 @@ def main() -> None:
             results[name] = run_config(llm, items, params)
             print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
             RESULTS.mkdir(parents=True, exist_ok=True)
-            PARTIAL.write_text(json.dumps(results))
+            partial.write_text(json.dumps(results))
     body, summary = summarize(results)
     counts = defaultdict(int)
     for r in results["plain"]:
@@ -144,7 +149,7 @@ def main() -> None:
     intro = (f"Greedy, batch 1, up to {args.max_tokens} new tokens (EOS ends a request), default weights. Prompts: "
              + ", ".join(f"{c} {n}" for c, n in counts.items())
              + f". Adaptive configs: k <= {ADAPTIVE_K}, chosen per step. Speedup over plain decoding, prefill included:\n\n")
-    write_section("adaptive", command, intro + body, summary)
+    write_section(args.name, command, intro + body, summary)
     print(intro + body)
 
 

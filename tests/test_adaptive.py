@@ -85,6 +85,18 @@ def test_controller_skips_a_catch_up_that_cannot_pay_off():
     assert controller.choose(lag=2, tokens_left=10) > 0
 
 
+def test_catch_up_waits_until_the_request_has_proven_long_ski_rental():
+    """The saving forgone so far (tokens generated x saving per token) must reach twice the catch-up."""
+    model = costs(catch_up=0.005)
+    controller = GoodputController(model, 4, AcceptanceEstimate.prior(4, 0.8))
+    k = best_num_tokens([0.8] * 4, model, 4)
+    saving = model.step_seconds(0) - model.step_seconds(k) / expected_tokens([0.8] * 4, k)
+    catch_up = model.catch_up_seconds(100)
+    first = next(g for g in range(1, 1000) if controller.choose(lag=100, tokens_left=10_000, generated=g) > 0)
+    assert first == pytest.approx(2 * catch_up / saving, abs=1)
+    assert controller.choose(lag=1, tokens_left=10_000, generated=0) > 0  # no backlog: draft at once
+
+
 def test_cost_model_interpolates_and_round_trips(tmp_path):
     model = CostModel({1: 0.1, 4: 0.4, 8: 0.6}, {1: 0.02, 2: 0.04}, 0.001, key="k")
     assert model.target_seconds(2) == pytest.approx(0.2)
@@ -127,3 +139,20 @@ def test_rarely_tried_positions_borrow_the_estimate_before_them():
     assert estimate.effective_rates() == [estimate.rates[0]] * 4 and estimate.rates[0] > 0.9
     model = costs(per_extra_token=0.005, draft_per_token=0.005)
     assert best_num_tokens(estimate.effective_rates(), model, 4) > 1  # so the controller tries a longer draft
+
+
+def test_probing_back_off_carries_over_to_the_next_request():
+    from types import SimpleNamespace
+
+    from draftwise.adaptive.policy import AdaptiveLength
+
+    policy = AdaptiveLength(costs(), 4, probe_interval=2)
+    policy.shared = AcceptanceEstimate.prior(4, 0.05)  # this drafter is useless here
+    first = SimpleNamespace(request_id="a", params=SimpleNamespace(seed=None), num_tokens_left=1000, output_ids=[])
+    for _ in range(100):
+        k = policy.num_tokens(first, 1)
+        policy.observe(first, k, 0)
+    assert policy.shared_interval > 8
+    second = SimpleNamespace(request_id="b", params=SimpleNamespace(seed=None), num_tokens_left=1000, output_ids=[])
+    choices = [policy.num_tokens(second, 1) for _ in range(8)]
+    assert choices == [0] * 8  # no early probe: the back-off was learnt by the first request

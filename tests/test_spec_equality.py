@@ -49,6 +49,9 @@ def test_greedy_equality(name, k, adaptive, tiny_qwen, random_draft, plain):
     llm = speculative(tiny_qwen, **CONFIGS[name](tiny_qwen, random_draft, k), adaptive=adaptive)
     assert_same(llm, plain, PROMPTS + [REPETITIVE], GREEDY)
     metrics = llm.spec_metrics
+    if adaptive:  # the controller may rightly decide that drafting does not pay on these tiny models
+        assert metrics.num_drafts + metrics.num_plain_steps > 0
+        return
     assert metrics.num_draft_tokens > 0
     if name == "draft=target":
         assert metrics.acceptance_rate == 1.0 and metrics.mean_acceptance_length > 1

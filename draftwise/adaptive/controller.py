@@ -16,13 +16,17 @@ observations borrows the estimate of the one before it). A request starts from i
 running estimate over earlier requests. When the
 best choice is k = 0 nothing is learnt, so the controller probes with one drafted token after
 `probe_interval` plain steps; a failed probe doubles the interval (up to `max_probe_interval`),
-an accepted one resets it. That bounds the cost of probing at a few percent while letting the
+an accepted one resets it; a new request starts from the interval its drafter's requests reached. That bounds the cost of probing at a few percent while letting the
 request return to speculation when acceptance rises again.
 
 A drafter with its own cache must first absorb what it has not seen (the prompt, before its first
-draft). That one-off cost is worth paying only if the request has enough tokens left to earn it
-back: with k the best choice, speculation saves C(0) - C(k)/E(k) seconds per token, so the
-controller drafts only if tokens_left times that exceeds the catch-up time.
+draft). That one-off cost is worth paying only if the request goes on long enough to earn it
+back, and how long a request will run is unknown (max_tokens is only a bound; most chat answers
+end far earlier at EOS). This is the ski-rental problem: keep "renting" (plain steps, forgoing a
+saving of s = C(0) - C(k)/E(k) seconds per token) until what was forgone, s times the tokens
+generated so far, reaches the price of "buying" (the catch-up time) times a margin, then buy.
+Short requests then never pay a catch-up they cannot earn back, and long ones start drafting
+after a bounded delay. A probe that needs a catch-up obeys the same horizon.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 
 from draftwise.adaptive.cost_model import CostModel
 
+CATCH_UP_MARGIN = 2.0  # buy only once the forgone saving is this many times the catch-up cost
 PRIOR_ACCEPTANCE = 0.8  # before anything is seen: optimistic, so that a first draft finds out
 EMA_WEIGHT = 0.2
 MIN_OBSERVATIONS = 4
@@ -96,43 +101,48 @@ class GoodputController:
     estimate: AcceptanceEstimate
     probe_interval: int = 8
     max_probe_interval: int = 64
+    start_interval: int | None = None  # where the back-off starts (a drafter's earlier requests may have grown it)
     _interval: int = field(init=False, default=0)
     _plain_steps: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self._interval = self.probe_interval
+        self._interval = self.start_interval or self.probe_interval
 
-    def choose(self, lag: int = 1, tokens_left: int | None = None) -> int:
+    def choose(self, lag: int = 1, tokens_left: int | None = None, generated: int | None = None) -> int:
         """k for the next step; `lag`: tokens the drafter must absorb first; `tokens_left`: the most
-        tokens the request may still emit (None: unbounded)."""
+        tokens the request may still emit; `generated`: tokens it has emitted (None: unbounded)."""
         rates = self.estimate.effective_rates()
         k = best_num_tokens(rates, self.costs, self.max_tokens)
         self._probing = False
-        if k and tokens_left is not None and not self._earns_back(rates, k, lag, tokens_left):
+        horizon = min(x for x in (tokens_left, generated, float("inf")) if x is not None)
+        if k and not self._earns_back(rates, k, lag, horizon):
             return 0
         if k == 0:
             self._plain_steps += 1
-            if self._plain_steps >= self._interval and self._probe_is_cheap(lag, tokens_left):
+            if self._plain_steps >= self._interval and self._probe_is_cheap(lag, horizon):
                 self._plain_steps, self._probing = 0, True
                 k = 1
         else:
             self._plain_steps = 0
         return k
 
-    def _earns_back(self, rates: list[float], k: int, lag: int, tokens_left: int) -> bool:
+    def _earns_back(self, rates: list[float], k: int, lag: int, horizon: float) -> bool:
         catch_up = self.costs.catch_up_seconds(lag)
         if catch_up == 0:
             return True
         saving_per_token = self.costs.step_seconds(0) - self.costs.step_seconds(k) / expected_tokens(rates, k)
-        return saving_per_token * tokens_left > catch_up
+        return saving_per_token * horizon >= CATCH_UP_MARGIN * catch_up
 
-    def _probe_is_cheap(self, lag: int, tokens_left: int | None) -> bool:
-        """A probe that must first absorb a long backlog may cost at most a tenth of the request's
-        remaining plain decoding time."""
-        if tokens_left is None:
-            return True
-        return self.costs.catch_up_seconds(lag) <= 0.1 * tokens_left * self.costs.step_seconds(0)
+    def _probe_is_cheap(self, lag: int, horizon: float) -> bool:
+        """A probe that must first absorb a backlog may cost at most a tenth of the plain decoding
+        time of the horizon."""
+        return self.costs.catch_up_seconds(lag) <= 0.1 * horizon * self.costs.step_seconds(0)
+
+    @property
+    def interval(self) -> int:
+        """Plain steps before the next probe, as backed off so far."""
+        return self._interval
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.estimate.observe(num_drafted, num_accepted)

@@ -42,6 +42,7 @@ class AdaptiveLength:
         self.max_tokens = max_tokens
         self.probe_interval = probe_interval
         self.shared = AcceptanceEstimate.prior(max_tokens)  # the drafter's running estimate
+        self.shared_interval = probe_interval  # and its probing back-off
         self._controllers: dict[str, GoodputController] = {}
 
     def controller(self, seq: Sequence) -> GoodputController:
@@ -49,16 +50,22 @@ class AdaptiveLength:
             # A seeded request starts from the prior, not from what other requests taught: its k
             # choices (and so how it draws its random numbers) then depend on itself alone, and the
             # same seed gives the same output on the same machine.
-            start = AcceptanceEstimate.prior(self.max_tokens) if seq.params.seed is not None else self.shared.copy()
-            self._controllers[seq.request_id] = GoodputController(self.costs, self.max_tokens, start, self.probe_interval)
+            seeded = seq.params.seed is not None
+            start = AcceptanceEstimate.prior(self.max_tokens) if seeded else self.shared.copy()
+            self._controllers[seq.request_id] = GoodputController(
+                self.costs, self.max_tokens, start, self.probe_interval,
+                start_interval=None if seeded else self.shared_interval)
         return self._controllers[seq.request_id]
 
     def num_tokens(self, seq: Sequence, lag: int) -> int:
-        return self.controller(seq).choose(lag, seq.num_tokens_left)
+        return self.controller(seq).choose(lag, seq.num_tokens_left, len(seq.output_ids))
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        self.controller(seq).observe(num_drafted, num_accepted)
+        controller = self.controller(seq)
+        controller.observe(num_drafted, num_accepted)
         self.shared.observe(num_drafted, num_accepted)
+        if seq.params.seed is None:
+            self.shared_interval = controller.interval
 
     def release(self, seq: Sequence) -> None:
         self._controllers.pop(seq.request_id, None)
