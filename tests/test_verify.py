@@ -77,20 +77,27 @@ def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((observed - expected) ** 2 / expected).sum())
 
 
+TARGET_PROBS = torch.tensor([[0.10, 0.40, 0.20, 0.25, 0.05],
+                             [0.30, 0.05, 0.15, 0.20, 0.30],
+                             [0.20, 0.20, 0.20, 0.20, 0.20]])  # [3, V]: positions 1, 2 and the bonus
+DRAFT_PROBS = torch.tensor([[0.50, 0.10, 0.10, 0.20, 0.10],
+                            [0.05, 0.40, 0.25, 0.10, 0.20]])  # [2, V]
+
+
+def sample_drafts(point_mass: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRIALS two-token drafts [TRIALS, 2] and their distributions (None: a deterministic drafter
+    that always proposes tokens 3 then 0)."""
+    if point_mass:
+        return torch.tensor([[3, 0]]).expand(TRIALS, 2), None
+    drafts = torch.stack([torch.multinomial(DRAFT_PROBS[i], TRIALS, replacement=True) for i in range(2)], 1)
+    return drafts, DRAFT_PROBS.expand(TRIALS, 2, V)
+
+
 def run_speculative_sampling(point_mass: bool, seed: int = 0):
     """Statistics of each emitted position against the target's distribution there."""
     torch.manual_seed(seed)
-    target_probs = torch.tensor([[0.10, 0.40, 0.20, 0.25, 0.05],
-                                 [0.30, 0.05, 0.15, 0.20, 0.30],
-                                 [0.20, 0.20, 0.20, 0.20, 0.20]])
-    draft_probs = torch.tensor([[0.50, 0.10, 0.10, 0.20, 0.10],
-                                [0.05, 0.40, 0.25, 0.10, 0.20]])
-    if point_mass:  # a deterministic drafter always proposes tokens 3 then 0
-        drafts = torch.tensor([[3, 0]]).expand(TRIALS, 2)
-        draft_probs_arg = None
-    else:
-        drafts = torch.stack([torch.multinomial(draft_probs[i], TRIALS, replacement=True) for i in range(2)], 1)
-        draft_probs_arg = draft_probs.expand(TRIALS, 2, V)
+    target_probs = TARGET_PROBS
+    drafts, draft_probs_arg = sample_drafts(point_mass)
     logits = target_probs.log().expand(TRIALS, 3, V)
     result = verify(drafts, torch.full((TRIALS,), 2), logits, draft_probs_arg, batch(TRIALS, temperature=1.0))
     out, accepted = result.output_token_ids, result.num_accepted
@@ -126,16 +133,8 @@ def run_randomized_drafting(point_mass: bool, rate: float, plain_step_from_p: bo
     """Per step a coin with P(heads) = rate: heads verifies the draft with the relaxed first test,
     tails takes a plain step from R = norm(max(0, p - rate q)) (or, the unsafe form, from p)."""
     torch.manual_seed(seed)
-    target_probs = torch.tensor([[0.10, 0.40, 0.20, 0.25, 0.05],
-                                 [0.30, 0.05, 0.15, 0.20, 0.30],
-                                 [0.20, 0.20, 0.20, 0.20, 0.20]])
-    draft_probs = torch.tensor([[0.50, 0.10, 0.10, 0.20, 0.10],
-                                [0.05, 0.40, 0.25, 0.10, 0.20]])
-    if point_mass:
-        drafts, draft_probs_arg = torch.tensor([[3, 0]]).expand(TRIALS, 2), None
-    else:
-        drafts = torch.stack([torch.multinomial(draft_probs[i], TRIALS, replacement=True) for i in range(2)], 1)
-        draft_probs_arg = draft_probs.expand(TRIALS, 2, V)
+    target_probs = TARGET_PROBS
+    drafts, draft_probs_arg = sample_drafts(point_mass)
     logits = target_probs.log().expand(TRIALS, 3, V)
     tails = torch.rand(TRIALS) >= rate
     num_draft = torch.full((TRIALS,), 2)
@@ -163,8 +162,8 @@ def test_randomized_drafting_follows_the_target_distribution(point_mass, rate):
 
 
 def run_speculative_sampling_acceptance(point_mass: bool) -> float:
-    p = torch.tensor([0.10, 0.40, 0.20, 0.25, 0.05])
-    q = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]) if point_mass else torch.tensor([0.50, 0.10, 0.10, 0.20, 0.10])
+    p = TARGET_PROBS[0]
+    q = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0]) if point_mass else DRAFT_PROBS[0]
     return float(torch.minimum(p, q).sum())  # first-position acceptance of ordinary speculative sampling
 
 
