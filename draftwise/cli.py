@@ -40,6 +40,8 @@ def _speculative(args: argparse.Namespace) -> dict | None:
         speculative["model"] = args.draft
     if args.method == "draft" and args.draft_vocab_size is not None:
         speculative["draft_vocab_size"] = args.draft_vocab_size or None  # 0: the full vocabulary
+    if args.method == "draft" and args.draft_context_window is not None:
+        speculative["draft_context_window"] = args.draft_context_window or None  # 0: the whole context
     if args.method == "layer_skip" and args.layers:
         speculative["num_layers"] = args.layers
     return speculative
@@ -81,6 +83,8 @@ def _add_model_arguments(command: argparse.ArgumentParser, default_model: str) -
                          help="stop drafting after a token drafted with less probability (0: never)")
     command.add_argument("--draft-vocab-size", type=int, default=None,
                          help="draft LM head over the N most frequent tokens only (default 32768; 0: all)")
+    command.add_argument("--draft-context-window", type=int, default=None,
+                         help="the draft model reads only the last N tokens (default 128; 0: all)")
     command.add_argument("--draft-probability", type=float, default=1.0,
                          help="randomized drafting: draft with this probability per step")
     command.add_argument("--layers", type=int, default=None, help="layers drafting for --method layer_skip")

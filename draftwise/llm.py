@@ -143,7 +143,7 @@ class LLM:
         if config.draft_vocab_size is not None and config.draft_vocab_size < draft_model.config.vocab_size:
             trim_lm_head(draft_model, kept_token_ids(self.tokenizer, config.draft_vocab_size))
         return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len),
-                                  config.draft_confidence_threshold)
+                                  config.draft_confidence_threshold, config.draft_context_window)
 
     # --- requests ---------------------------------------------------------------------------
     def _make_sequence(self, prompt: str, params: SamplingParams) -> Sequence:

@@ -1,6 +1,7 @@
 """The cost model, the goodput controller's decisions, and the measured profile behind them."""
 
 import json
+import math
 
 import pytest
 
@@ -58,23 +59,57 @@ def test_estimate_learns_only_from_positions_that_were_tried():
     assert estimate.rates == [0.875, 0.625, 0.5, 0.5]
 
 
+def first_probe_interval(model):
+    """Plain steps between probes at first: a probe's extra cost is at most 2% of the decoding time."""
+    return math.ceil((model.step_seconds(1) - model.step_seconds(0)) / (0.02 * model.step_seconds(0)))
+
+
 def test_controller_backs_off_probes_and_recovers():
-    controller = GoodputController(costs(), 4, AcceptanceEstimate.prior(4, 0.9), probe_interval=4)
+    model = costs()
+    controller = GoodputController(model, 4, AcceptanceEstimate.prior(4, 0.9))
+    first = first_probe_interval(model)
+    assert controller.interval == first > 8
     assert controller.choose() > 0
     choices = []
-    for _ in range(60):  # acceptance collapses: every draft rejected
+    for _ in range(600):  # acceptance collapses: every draft rejected
         k = controller.choose()
         choices.append(k)
         controller.observe(k, 0)
-    assert choices[-1] == 0 and choices.count(0) > 45
-    probes = [i for i, k in enumerate(choices) if k and i > 10]
-    assert len(probes) >= 2 and probes[-1] - probes[-2] > 4  # failed probes space out
-    for _ in range(200):  # acceptance returns: probes succeed and the controller drafts again
+    assert choices[-1] == 0 and choices.count(0) > 560
+    probes = [i for i, k in enumerate(choices) if k and i > 20]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-1] == 4 * first and gaps[0] < gaps[-1]  # failed probes space out, up to 4x
+    for step in range(1000):  # acceptance returns: probes succeed and the controller drafts again
         k = controller.choose()
         controller.observe(k, k)
         if k >= 2:
             break
-    assert k >= 2
+    assert k >= 2 and step < 4 * 4 * first
+    assert controller.interval == first  # drafting pays again: the back-off is over
+
+
+def test_an_idle_estimate_drifts_back_to_the_long_run_mean():
+    """A drafter good on the whole (long-run acceptance 0.8) returns after a bad stretch without
+    waiting for a probe; one that never pays (0.1) stays off between probes."""
+    model = costs()
+    for long_run, returns in ((0.8, True), (0.1, False)):
+        estimate = AcceptanceEstimate.prior(4, 0.5)
+        for i in range(200):
+            estimate.observe(1, int(i % 10 < long_run * 10))
+        controller = GoodputController(model, 4, estimate)
+        for _ in range(8):  # a bad stretch
+            controller.observe(1, 0)
+        assert controller.choose() == 0
+        later = [controller.choose() for _ in range(first_probe_interval(model) - 2)]
+        assert any(later) == returns
+
+
+def test_a_probe_with_nothing_to_propose_is_retried_at_once():
+    controller = GoodputController(costs(), 4, AcceptanceEstimate.prior(4, 0.05))
+    choices = [controller.choose() for _ in range(controller.interval)]
+    assert choices[-1] == 1 and not any(choices[:-1])
+    controller.observe(0, 0)  # prompt lookup found no match: nothing was verified
+    assert controller.choose() == 1
 
 
 def test_controller_skips_a_catch_up_that_cannot_pay_off():
@@ -86,15 +121,36 @@ def test_controller_skips_a_catch_up_that_cannot_pay_off():
 
 
 def test_catch_up_waits_until_the_request_has_proven_long_ski_rental():
-    """The saving forgone so far (tokens generated x saving per token) must reach twice the catch-up."""
+    """Without a length estimate, the saving forgone so far (tokens generated x saving per token)
+    must reach the catch-up's cost."""
     model = costs(catch_up=0.005)
     controller = GoodputController(model, 4, AcceptanceEstimate.prior(4, 0.8))
     k = best_num_tokens([0.8] * 4, model, 4)
     saving = model.step_seconds(0) - model.step_seconds(k) / expected_tokens([0.8] * 4, k)
     catch_up = model.catch_up_seconds(100)
     first = next(g for g in range(1, 1000) if controller.choose(lag=100, tokens_left=10_000, generated=g) > 0)
-    assert first == pytest.approx(2 * catch_up / saving, abs=1)
+    assert first == pytest.approx(catch_up / saving, abs=1)
     assert controller.choose(lag=1, tokens_left=10_000, generated=0) > 0  # no backlog: draft at once
+    # With an estimate of the tokens left, decide at once, either way.
+    assert controller.choose(lag=100, tokens_left=10_000, generated=0, expected_left=2 * first) > 0
+    assert controller.choose(lag=100, tokens_left=10_000, generated=500, expected_left=first / 2) == 0
+
+
+def test_policy_expects_the_tokens_left_from_finished_requests():
+    from types import SimpleNamespace
+
+    from draftwise.adaptive.policy import AdaptiveLength
+
+    policy = AdaptiveLength(costs(), 4)
+    assert policy.expected_tokens_left(0) is None  # no history yet: ski rental
+    for i, length in enumerate([20, 30, 100, 200, 300]):
+        seq = SimpleNamespace(request_id=str(i), params=SimpleNamespace(seed=None), num_tokens_left=10,
+                              output_ids=[0] * length)
+        policy.num_tokens(seq, 1)
+        policy.release(seq)
+    assert policy.expected_tokens_left(0) == pytest.approx(130)
+    assert policy.expected_tokens_left(25) == pytest.approx((5 + 75 + 175 + 275) / 4)
+    assert policy.expected_tokens_left(150) is None  # only 2 requests ran that long
 
 
 def test_cost_model_interpolates_and_round_trips(tmp_path):
@@ -146,13 +202,13 @@ def test_probing_back_off_carries_over_to_the_next_request():
 
     from draftwise.adaptive.policy import AdaptiveLength
 
-    policy = AdaptiveLength(costs(), 4, probe_interval=2)
+    policy = AdaptiveLength(costs(), 4)
     policy.shared = AcceptanceEstimate.prior(4, 0.05)  # this drafter is useless here
     first = SimpleNamespace(request_id="a", params=SimpleNamespace(seed=None), num_tokens_left=1000, output_ids=[])
-    for _ in range(100):
+    for _ in range(300):
         k = policy.num_tokens(first, 1)
         policy.observe(first, k, 0)
-    assert policy.shared_interval > 8
+    assert policy.shared_interval == 4 * first_probe_interval(costs())
     second = SimpleNamespace(request_id="b", params=SimpleNamespace(seed=None), num_tokens_left=1000, output_ids=[])
-    choices = [policy.num_tokens(second, 1) for _ in range(8)]
-    assert choices == [0] * 8  # no early probe: the back-off was learnt by the first request
+    choices = [policy.num_tokens(second, 1) for _ in range(policy.shared_interval)]
+    assert choices.index(1) == policy.shared_interval - 1  # no early probe: the back-off was learnt

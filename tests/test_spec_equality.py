@@ -89,16 +89,35 @@ def test_greedy_equality_with_plain_steps_between_drafts(name, tiny_qwen, random
     {"draft_confidence_threshold": 0.6},
     {"draft_vocab_size": 40},
     {"draft_probability": 0.5},
+    {"draft_context_window": 3},
     {"draft_confidence_threshold": 0.3, "draft_vocab_size": 64, "draft_probability": 0.7},
 ])
 @pytest.mark.parametrize("drafter", ["draft=target", "random draft", "layer_skip"])
 def test_greedy_equality_for_every_controller_setting(setting, drafter, tiny_qwen, random_draft, plain):
     config = CONFIGS[drafter](tiny_qwen, random_draft, 5)
-    if drafter == "layer_skip" and "draft_vocab_size" in setting:
-        pytest.skip("the trimmed head belongs to a separate draft model")
+    if drafter == "layer_skip" and ("draft_vocab_size" in setting or "draft_context_window" in setting):
+        pytest.skip("the trimmed head and the context window belong to a separate draft model")
     for adaptive in (False, True):
         llm = speculative(tiny_qwen, **config, **setting, adaptive=adaptive)
         assert_same(llm, plain, PROMPTS + [REPETITIVE], GREEDY)
+
+
+def test_draft_context_window_bounds_the_catch_up_and_restarts_after_plain_steps(tiny_qwen, plain):
+    """The target as its own draft accepts everything with the whole context and less with a
+    3-token window; runs of plain steps push the backlog past the window, so the draft cache restarts."""
+    whole = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=4, adaptive=False,
+                        draft_context_window=None)
+    windowed = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=4,
+                           adaptive=False, draft_context_window=3)
+    windowed.engine.draft_length = CyclingLength([0, 0, 0, 0, 0, 4, 2, 0, 0, 0, 0, 0, 0, 3])
+    lags = []
+    lag = windowed.engine.proposer.lag
+    windowed.engine.proposer.lag = lambda seq: lags.append(lag(seq)) or lags[-1]
+    assert_same(whole, plain, PROMPTS, GREEDY)
+    assert_same(windowed, plain, PROMPTS + [REPETITIVE], GREEDY)
+    assert whole.spec_metrics.acceptance_rate == 1.0
+    assert windowed.spec_metrics.acceptance_rate < 1.0
+    assert max(lags) == 3  # never more than the window to catch up on
 
 
 def test_confidence_stop_shortens_drafts(tiny_qwen, random_draft):

@@ -12,56 +12,79 @@ best k up to the configured maximum. With constant a this is Leviathan et al.'s
 Estimates are exponential moving averages (running means over the first few observations):
 after a draft of length m with r accepted, positions 1..min(r + 1, m) were tried and 1..r
 accepted (later positions were never reached and learn nothing; a position with too few
-observations borrows the estimate of the one before it). A request starts from its drafter's
-running estimate over earlier requests. When the
-best choice is k = 0 nothing is learnt, so the controller probes with one drafted token after
-`probe_interval` plain steps; a failed probe doubles the interval (up to `max_probe_interval`),
-an accepted one resets it; a new request starts from the interval its drafter's requests reached. That bounds the cost of probing at a few percent while letting the
-request return to speculation when acceptance rises again.
+observations borrows the estimate of the one before it). Each position also keeps its long-run
+mean, which starts from the prior as if it had been seen PRIOR_STRENGTH times (so that one
+unlucky first request does not condemn a drafter). A request starts from its drafter's estimate over earlier requests.
+
+Acceptance comes in stretches (a prompt-lookup drafter copies or it does not), so a run of
+rejections may take the moving average below break-even while the drafter is, on the whole, worth
+using. When the best choice is k = 0 nothing is learnt, so every plain step lets the moving
+average drift back toward the long-run mean (by 1/16): a drafter good on the whole returns after a
+few plain steps, one that never pays stays off. That one also gets probes: one drafted token after
+`interval` plain steps. The first interval is chosen so that probing costs at most 2% of the time
+(a probe costs C(1) - C(0) more than a plain step); a rejected probe doubles it (up to 4x), and it
+returns to the first interval once the estimate favours drafting again. A probe that finds nothing
+to propose (prompt lookup without a match) costs nothing and is retried at the next step. A new
+request starts from the interval its drafter's requests reached.
 
 A drafter with its own cache must first absorb what it has not seen (the prompt, before its first
 draft). That one-off cost is worth paying only if the request goes on long enough to earn it
-back, and how long a request will run is unknown (max_tokens is only a bound; most chat answers
-end far earlier at EOS). This is the ski-rental problem: keep "renting" (plain steps, forgoing a
-saving of s = C(0) - C(k)/E(k) seconds per token) until what was forgone, s times the tokens
-generated so far, reaches the price of "buying" (the catch-up time) times a margin, then buy.
-Short requests then never pay a catch-up they cannot earn back, and long ones start drafting
-after a bounded delay. A probe that needs a catch-up obeys the same horizon.
+back. The policy estimates the tokens a request has left from the lengths of its drafter's
+finished requests (those that ran past the current length). Without that history, how long a
+request will run is unknown (max_tokens is only a bound; most chat answers end far earlier at EOS)
+and it is the ski-rental problem: keep "renting" (plain steps, forgoing a saving of
+s = C(0) - C(k)/E(k) seconds per token) until what was forgone, s times the tokens generated so
+far, reaches the price of "buying" (the catch-up time), then buy; that never costs more than twice
+the best choice in hindsight. A probe that needs a catch-up obeys the same horizon.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from draftwise.adaptive.cost_model import CostModel
 
-CATCH_UP_MARGIN = 2.0  # buy only once the forgone saving is this many times the catch-up cost
+CATCH_UP_MARGIN = 1.0  # buy once the forgone (or expected) saving reaches this many times the catch-up cost
 PRIOR_ACCEPTANCE = 0.8  # before anything is seen: optimistic, so that a first draft finds out
+PRIOR_STRENGTH = 8  # the long-run mean starts as the prior worth this many observations
 EMA_WEIGHT = 0.2
 MIN_OBSERVATIONS = 4
+DRIFT_PER_PLAIN_STEP = 1 / 16  # how far an idle estimate moves back toward its long-run mean per plain step
+PROBE_BUDGET = 0.02  # the share of decoding time the first probing interval may cost
+MAX_BACK_OFF = 4  # failed probes stretch the interval up to this many times the first
 
 
 @dataclass(slots=True)
 class AcceptanceEstimate:
     rates: list[float]  # [K]: a_i for drafted positions i = 1..K (index 0 is position 1)
     counts: list[int] = field(default_factory=list)  # [K]: observations behind each rate
+    means: list[float] = field(default_factory=list)  # [K]: long-run mean acceptance per position
     weight: float = EMA_WEIGHT
 
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * len(self.rates)
+        self.means = self.means or list(self.rates)
 
     @classmethod
     def prior(cls, max_tokens: int, rate: float = PRIOR_ACCEPTANCE) -> "AcceptanceEstimate":
         return cls([rate] * max_tokens)
 
     def copy(self) -> "AcceptanceEstimate":
-        return AcceptanceEstimate(list(self.rates), list(self.counts), self.weight)
+        return AcceptanceEstimate(list(self.rates), list(self.counts), list(self.means), self.weight)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         for i in range(min(num_accepted + 1, num_drafted, len(self.rates))):
             self.counts[i] += 1
+            accepted = float(i < num_accepted)
             weight = max(self.weight, 1.0 / (self.counts[i] + 1))  # a running mean until the EMA takes over
-            self.rates[i] += weight * (float(i < num_accepted) - self.rates[i])
+            self.rates[i] += weight * (accepted - self.rates[i])
+            self.means[i] += (accepted - self.means[i]) / (self.counts[i] + PRIOR_STRENGTH)
+
+    def drift(self, weight: float = DRIFT_PER_PLAIN_STEP) -> None:
+        """Move the moving averages a step back toward the long-run means (nothing was observed)."""
+        for i, mean in enumerate(self.means):
+            self.rates[i] += weight * (mean - self.rates[i])
 
     def effective_rates(self) -> list[float]:
         """The rates decisions use: a position seldom tried (k rarely reached it) is assumed as good
@@ -99,32 +122,41 @@ class GoodputController:
     costs: CostModel
     max_tokens: int
     estimate: AcceptanceEstimate
-    probe_interval: int = 8
-    max_probe_interval: int = 64
+    probe_interval: int = 8  # the shortest first probing interval (the cost bound may make it longer)
     start_interval: int | None = None  # where the back-off starts (a drafter's earlier requests may have grown it)
+    _first_interval: int = field(init=False, default=0)
     _interval: int = field(init=False, default=0)
     _plain_steps: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self._interval = self.start_interval or self.probe_interval
+        plain = self.costs.step_seconds(0)
+        probe_extra = max(0.0, self.costs.step_seconds(1) - plain)
+        self._first_interval = max(self.probe_interval, math.ceil(probe_extra / (PROBE_BUDGET * plain)))
+        self._interval = self.start_interval or self._first_interval
 
-    def choose(self, lag: int = 1, tokens_left: int | None = None, generated: int | None = None) -> int:
-        """k for the next step; `lag`: tokens the drafter must absorb first; `tokens_left`: the most
-        tokens the request may still emit; `generated`: tokens it has emitted (None: unbounded)."""
+    def choose(self, lag: int = 1, tokens_left: int | None = None, generated: int | None = None,
+               expected_left: float | None = None) -> int:
+        """k for the next step. `lag`: tokens the drafter must absorb first; `tokens_left`: the most
+        tokens the request may still emit; `generated`: tokens it has emitted; `expected_left`: the
+        tokens it is expected to emit still (None: unknown, then `generated` stands in; all None:
+        unbounded)."""
         rates = self.estimate.effective_rates()
         k = best_num_tokens(rates, self.costs, self.max_tokens)
         self._probing = False
-        horizon = min(x for x in (tokens_left, generated, float("inf")) if x is not None)
+        guess = expected_left if expected_left is not None else generated
+        horizon = min(x for x in (tokens_left, guess, math.inf) if x is not None)
         if k and not self._earns_back(rates, k, lag, horizon):
-            return 0
-        if k == 0:
+            k = 0
+        elif k == 0:
             self._plain_steps += 1
             if self._plain_steps >= self._interval and self._probe_is_cheap(lag, horizon):
                 self._plain_steps, self._probing = 0, True
-                k = 1
+                return 1
         else:
             self._plain_steps = 0
+        if k == 0:
+            self.estimate.drift()
         return k
 
     def _earns_back(self, rates: list[float], k: int, lag: int, horizon: float) -> bool:
@@ -146,5 +178,11 @@ class GoodputController:
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.estimate.observe(num_drafted, num_accepted)
-        if self._probing and num_drafted:
-            self._interval = self.probe_interval if num_accepted else min(2 * self._interval, self.max_probe_interval)
+        if not self._probing:
+            return
+        if not num_drafted:  # nothing to propose: the probe cost nothing, try again next step
+            self._plain_steps = self._interval
+        elif best_num_tokens(self.estimate.effective_rates(), self.costs, self.max_tokens):
+            self._interval = self._first_interval  # the estimate favours drafting again
+        elif not num_accepted:
+            self._interval = min(2 * self._interval, MAX_BACK_OFF * self._first_interval)

@@ -11,9 +11,11 @@ from draftwise.spec.proposer import Draft
 
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequence], num_tokens: list[int],
-                           num_layers: int | None = None, confidence_threshold: float = 0.0) -> list[Draft]:
+                           num_layers: int | None = None, confidence_threshold: float = 0.0,
+                           offsets: list[int] | None = None) -> list[Draft]:
     """Feed each row what its cache lacks of the sequence, then draft num_tokens[b] tokens
-    (rows asked for none are left alone and get an empty draft).
+    (rows asked for none are left alone and get an empty draft). Row b's cache holds the
+    sequence's tokens from offsets[b] on (default 0: from the start).
 
     Confidence stop: a row stops drafting after a token the drafter gave a probability below
     `confidence_threshold` (that token is still proposed: it is already paid for, and costs only
@@ -25,7 +27,8 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     """
     token_ids: list[list[int]] = [[] for _ in seqs]
     probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-    pending = [seq.token_ids[runner.length(row):] for seq, row in zip(seqs, rows)]
+    offsets = offsets or [0] * len(seqs)
+    pending = [seq.token_ids[offset + runner.length(row):] for seq, row, offset in zip(seqs, rows, offsets)]
     num_tokens = list(num_tokens)
     for step in range(max(num_tokens, default=0)):
         live = [b for b, k in enumerate(num_tokens) if step < k]

@@ -23,6 +23,7 @@ class SpeculativeConfig:
     quantization: str = "auto"  # method "draft": the draft model's weights (auto = int4_all on CPU, int4, int8, none)
     draft_confidence_threshold: float = 0.0  # "draft"/"layer_skip": stop drafting after a token drafted with
     # a probability below this (0: never)
+    draft_context_window: int | None = 128  # "draft": the draft model reads only the last N tokens (None: all)
     draft_vocab_size: int | None = 32768  # "draft": LM head over the N most frequent tokens only (None: all)
     draft_probability: float = 1.0  # randomized drafting: draft with this probability per step (1: always)
 
@@ -46,6 +47,10 @@ class SpeculativeConfig:
                 f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}")
         if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 16):
             raise InvalidParameterError(f"draft_vocab_size must be an integer >= 16, got {self.draft_vocab_size!r}")
+        if self.draft_context_window is not None and (
+                not isinstance(self.draft_context_window, int) or self.draft_context_window < 1):
+            raise InvalidParameterError(
+                f"draft_context_window must be a positive integer or None, got {self.draft_context_window!r}")
         if not 0.0 < self.draft_probability <= 1.0:
             raise InvalidParameterError(f"draft_probability must be in (0, 1], got {self.draft_probability!r}")
         if self.method == "draft" and self.model is None:
