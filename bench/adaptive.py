@@ -13,7 +13,9 @@ k, the best one found by bench/speculative.py (draft 2, ngram 1, layer_skip 1).
 Speedup = (tokens / seconds of the config) / (tokens / seconds of plain) over the category's
 prompts, prefill included (Spec-Bench's definition). tau = generated tokens after the first per
 target decoding step (plain = 1.00; Spec-Bench's mean accepted tokens). Every output is
-compared with plain's. Results are saved after every config (bench/results/<name>-partial.json);
+compared with plain's. Each request carries its category as its traffic segment (the adaptive
+controller keeps acceptance and length statistics per segment, as the server does for a request's
+`segment` field). Results are saved after every config (bench/results/<name>-partial.json);
 `--report-only` writes the report from that file.
 """
 
@@ -66,7 +68,7 @@ def run_config(llm: LLM, items: list[tuple[str, str]], params: SamplingParams) -
     results = []
     for category, prompt in items:
         start = time.perf_counter()
-        output = llm.generate(prompt, params)[0]
+        output = llm.generate(prompt, params, segment=category)[0]
         seconds = time.perf_counter() - start
         spec = output.metrics.spec
         results.append({"category": category, "seconds": seconds, "tokens": len(output.token_ids),

@@ -56,7 +56,8 @@ def _profile(args: argparse.Namespace) -> None:
     if speculative is not None:
         speculative["adaptive"] = False  # measured below, with --refresh honoured
         llm.set_speculative(speculative)
-    costs = llm.measure_costs(llm.engine.proposer, llm.speculative, refresh=args.refresh)
+    proposer = llm.engine.drafters[llm.default_method].proposer if llm.default_method else None
+    costs = llm.measure_costs(proposer, llm.speculative, refresh=args.refresh)
     print(f"cost model: {costs.key}\n")
     print(costs.table())
     if speculative is None:
@@ -94,6 +95,24 @@ def _add_model_arguments(command: argparse.ArgumentParser, default_model: str) -
     command.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from draftwise.llm import LLM
+    from draftwise.server.app import build_app
+    from draftwise.server.async_engine import AsyncEngine
+
+    kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb else None
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
+              speculative=_speculative(args))
+    engine = AsyncEngine(llm)
+    app = build_app(engine, args.served_model_name or args.model, api_key=args.api_key)
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1"
+          + (f" (speculation: {llm.default_method})" if llm.default_method else ""), file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+
+
 def _models(args: argparse.Namespace) -> None:
     from draftwise.loading.cache_dir import CACHE_ENV, cache_root
     from draftwise.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET, KNOWN_MODELS
@@ -129,6 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(profile, DEFAULT_TARGET)
     profile.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     profile.set_defaults(run=_profile)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    _add_model_arguments(serve, DEFAULT_TARGET)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
+    serve.add_argument("--max-model-len", type=int, default=4096, help="context length")
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                       help="KV cache budget (default: max-num-seqs x max-model-len tokens)")
+    serve.set_defaults(run=_serve)
 
     models = commands.add_parser("models", help="list known models and where they are cached")
     models.set_defaults(run=_models)

@@ -27,3 +27,7 @@ class PromptTooLongError(DraftwiseError, ValueError):
 
 class FetchError(DraftwiseError):
     """Weights that could not be obtained from their pinned packages."""
+
+
+class KVCacheFullError(DraftwiseError):
+    """The KV cache has no free block for a sequence (the scheduler preempts before this happens)."""

@@ -11,14 +11,14 @@ import torch
 from draftwise.adaptive.cost_model import CostModel
 from draftwise.adaptive.policy import AdaptiveLength, FixedLength
 from draftwise.adaptive.profile import configuration_key, load_or_measure
-from draftwise.engine.engine import Engine
+from draftwise.engine.engine import Drafter, Engine
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.errors import InvalidParameterError, ModelFormatError, PromptTooLongError
 from draftwise.loading.hf_folder import load_model, resolve_quantization
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
-from draftwise.model.runner import ModelRunner
+from draftwise.model.runner import DEFAULT_BLOCK_SIZE, ModelRunner
 from draftwise.sampling.params import SamplingParams
 from draftwise.spec.config import SpeculativeConfig
 from draftwise.spec.draft_model import DraftModelProposer
@@ -67,12 +67,18 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         speculative: SpeculativeConfig | dict | None = None,
         quantization: str = "auto",
         progress: bool = True,
     ) -> None:
         if max_model_len <= 0 or max_num_seqs <= 0:
             raise InvalidParameterError("max_model_len and max_num_seqs must be positive")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise InvalidParameterError(f"block_size must be a positive integer, got {block_size!r}")
+        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
+            raise InvalidParameterError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model_folder = resolve_model(model, progress=progress)
@@ -86,9 +92,20 @@ class LLM:
                 f"{self.model_folder}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
                 f"embedding only {self.model.config.vocab_size}")
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
-        self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len)
+        self.max_num_seqs = max_num_seqs
+        num_blocks = None
+        if kv_cache_memory_bytes is not None:
+            num_blocks = kv_cache_memory_bytes // (block_size * ModelRunner.kv_bytes_per_token(self.model))
+            if num_blocks < 1:
+                raise InvalidParameterError(
+                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no block of {block_size} tokens "
+                    f"({ModelRunner.kv_bytes_per_token(self.model)} bytes per token)")
+        self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, num_blocks=num_blocks,
+                                  block_size=block_size)
         self._install(config, draft_folder)
         self._request_ids = itertools.count()
+        self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish
+        self._reported: dict[str, int] = {}  # request id -> tokens already reported by `step`
 
     # --- speculation ------------------------------------------------------------------------
     def set_speculative(self, speculative: SpeculativeConfig | dict | None, progress: bool = True) -> None:
@@ -107,17 +124,28 @@ class LLM:
 
     def _install(self, config: SpeculativeConfig | None, draft_folder) -> None:
         self.speculative = config
-        proposer = self._build_proposer(config, draft_folder)
         self.cost_model = None
-        draft_length = None
-        if config is not None and config.adaptive:
-            self.cost_model = self.measure_costs(proposer, config)
-            draft_length = AdaptiveLength(self.cost_model, config.num_speculative_tokens)
-        elif config is not None:
-            draft_length = FixedLength(config.num_speculative_tokens)
-        self.engine = Engine(self.runner, proposer, draft_length,
-                             config.draft_probability if config is not None else 1.0)
+        self.engine = Engine(self.runner, max_num_seqs=self.max_num_seqs,
+                             default_method=config.method if config is not None else None)
+        if config is not None:
+            self.engine.add_drafter(config.method, self._build_drafter(config, draft_folder))
         self.spec_metrics = SpecMetrics()  # totals over every finished request
+
+    def _build_drafter(self, config: SpeculativeConfig, draft_folder) -> Drafter:
+        proposer = self._build_proposer(config, draft_folder)
+        if config.adaptive:
+            costs = self.measure_costs(proposer, config)
+            if config.method == (self.speculative.method if self.speculative else None):
+                self.cost_model = costs
+            draft_length = AdaptiveLength(costs, config.num_speculative_tokens)
+        else:
+            draft_length = FixedLength(config.num_speculative_tokens)
+        return Drafter(proposer, draft_length, config.num_speculative_tokens, config.draft_probability)
+
+    @property
+    def default_method(self) -> str | None:
+        """The drafter requests use unless they say otherwise (None: plain decoding)."""
+        return self.engine.default_method
 
     def measure_costs(self, proposer: Proposer | None, config: SpeculativeConfig | None,
                       refresh: bool = False) -> CostModel:
@@ -142,11 +170,15 @@ class LLM:
         draft_model = load_model(draft_folder, self.device, self.dtype, quantization=quantization)
         if config.draft_vocab_size is not None and config.draft_vocab_size < draft_model.config.vocab_size:
             trim_lm_head(draft_model, kept_token_ids(self.tokenizer, config.draft_vocab_size))
-        return DraftModelProposer(ModelRunner(draft_model, self.runner.cache.num_rows, self.max_model_len),
-                                  config.draft_confidence_threshold, config.draft_context_window)
+        # The draft model's cache holds as many tokens as the target's (it never holds more per
+        # request), plus a block per request for rounding.
+        draft_runner = ModelRunner(draft_model, self.max_num_seqs, self.max_model_len,
+                                   num_blocks=self.runner.blocks.num_blocks + self.max_num_seqs,
+                                   block_size=self.runner.blocks.block_size)
+        return DraftModelProposer(draft_runner, config.draft_confidence_threshold, config.draft_context_window)
 
     # --- requests ---------------------------------------------------------------------------
-    def _make_sequence(self, prompt: str, params: SamplingParams) -> Sequence:
+    def _make_sequence(self, prompt: str, params: SamplingParams, segment: str | None = None) -> Sequence:
         if not isinstance(prompt, str):
             raise InvalidParameterError(f"a prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
@@ -158,8 +190,13 @@ class LLM:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} "
                 "(prompt and at least one generated token)")
-        return Sequence(str(next(self._request_ids)), prompt, prompt_ids, params, self.tokenizer,
-                        self.tokenizer.eos_token_ids, self.max_model_len, self.device)
+        seq = Sequence(str(next(self._request_ids)), prompt, prompt_ids, params, self.tokenizer,
+                       self.tokenizer.eos_token_ids, self.max_model_len, self.device)
+        seq.method = self.engine.default_method
+        if segment is not None and not isinstance(segment, str):
+            raise InvalidParameterError(f"segment must be a string, got {type(segment).__name__}")
+        seq.segment = segment
+        return seq
 
     @staticmethod
     def _params(sampling_params: SamplingParams | None) -> SamplingParams:
@@ -169,11 +206,15 @@ class LLM:
             raise InvalidParameterError("sampling_params must be a SamplingParams")
         return sampling_params
 
-    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (batched); outputs come back in prompt order."""
+    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None, *,
+                 segment: str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (batched); outputs come back in prompt order.
+        segment: a traffic label (the adaptive controller keeps statistics per segment)."""
         params = self._params(sampling_params)
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-        sequences = [self._make_sequence(prompt, params) for prompt in prompt_list]  # validate all first
+        sequences = [self._make_sequence(prompt, params, segment) for prompt in prompt_list]  # validate all first
+        for seq in sequences:
+            self.engine.check(seq)
         for seq in sequences:
             self.engine.add(seq)
         try:
@@ -187,6 +228,92 @@ class LLM:
             self.spec_metrics.merge(seq.metrics.spec)
         return [seq.output() for seq in sequences]
 
+    # --- continuous batching: requests join and leave between steps ------------------------
+    def add_request(self, prompt: str, sampling_params: SamplingParams | None = None, *,
+                    speculative: dict | None = None, segment: str | None = None,
+                    max_tokens_must_fit: bool = False) -> str:
+        """Queue a request to run alongside whatever is running; returns its request id.
+
+        speculative: this request's speculation: None (the LLM's), {"enabled": False} (plain
+        decoding), or {"method": ..., "num_speculative_tokens": k} (k caps the drafter's own
+        bound). "ngram" and "layer_skip" are built on first use; "draft" needs the LLM to have
+        been built with a draft model. segment: a traffic label (the adaptive controller keeps
+        statistics per segment). max_tokens_must_fit: refuse (rather than shorten) a max_tokens
+        that the context cannot hold after the prompt, as OpenAI's API does."""
+        seq = self._make_sequence(prompt, self._params(sampling_params), segment)
+        if max_tokens_must_fit and seq.params.max_tokens is not None:
+            total = len(seq.prompt_token_ids) + seq.params.max_tokens
+            if total > self.max_model_len:
+                raise PromptTooLongError(
+                    f"this model's context holds {self.max_model_len} tokens, but {total} were requested "
+                    f"({len(seq.prompt_token_ids)} in the prompt, {seq.params.max_tokens} to generate)")
+        seq.method, seq.max_draft_tokens = self._request_speculation(speculative)
+        self.engine.add(seq)
+        self._live[seq.request_id] = seq
+        self._reported[seq.request_id] = 0
+        return seq.request_id
+
+    def _request_speculation(self, speculative: dict | None) -> tuple[str | None, int | None]:
+        """(method, cap on k) for a request's `speculative` field."""
+        if speculative is None:
+            return self.engine.default_method, None
+        if not isinstance(speculative, dict):
+            raise InvalidParameterError("speculative must be a dict")
+        unknown = set(speculative) - {"enabled", "method", "num_speculative_tokens"}
+        if unknown:
+            raise InvalidParameterError(f"unknown per-request speculative option(s) {sorted(unknown)}")
+        if speculative.get("enabled", True) is False or speculative.get("num_speculative_tokens") == 0:
+            return None, None
+        method = speculative.get("method") or self.engine.default_method
+        if method is None:
+            raise InvalidParameterError("speculation is off for this LLM: name a method (ngram or layer_skip)")
+        if method not in self.engine.drafters:
+            if method == "draft":
+                raise InvalidParameterError("method 'draft' needs a draft model: build the LLM (or start the "
+                                            "server) with speculative={'method': 'draft', ...}")
+            config = SpeculativeConfig.from_value({"method": method})
+            self.engine.add_drafter(method, self._build_drafter(config, None))
+        k = speculative.get("num_speculative_tokens")
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise InvalidParameterError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
+        return method, k
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; outputs (so far) of the requests that received tokens in it."""
+        stepped = {seq.request_id for seq in self.engine.step()}
+        outputs = []
+        for request_id, seq in list(self._live.items()):
+            if request_id in stepped or seq.finished:  # (one may have finished during a generate call)
+                output = seq.output()
+                output.delta = seq.take_text_delta()
+                output.num_new_tokens = len(seq.output_ids) - self._reported[request_id]
+                self._reported[request_id] = len(seq.output_ids)
+                outputs.append(output)
+                if seq.finished:
+                    self._forget(request_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self.spec_metrics.merge(self._live.pop(request_id).metrics.spec)
+        del self._reported[request_id]
+
+    def engine_stats(self) -> dict:
+        """Queue lengths, KV blocks, and the mean k per drafter in the last step (for metrics)."""
+        blocks = self.runner.blocks
+        return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                "kv_blocks": blocks.num_blocks, "kv_blocks_in_use": blocks.num_blocks - blocks.num_free_blocks,
+                "current_k": dict(self.engine.last_num_tokens)}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now, freeing its KV blocks (unknown or finished ids are ignored)."""
+        seq = self._live.get(request_id)
+        if seq is not None:
+            self.engine.abort(seq)
+            self._forget(request_id)
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
@@ -197,6 +324,7 @@ class LLM:
     def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield text as it is produced; the last delta carries the full output."""
         seq = self._make_sequence(prompt, self._params(sampling_params))
+        self.engine.check(seq)
         self.engine.add(seq)
         try:
             while not seq.finished:

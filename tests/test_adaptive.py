@@ -142,15 +142,15 @@ def test_policy_expects_the_tokens_left_from_finished_requests():
     from draftwise.adaptive.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(), 4)
-    assert policy.expected_tokens_left(0) is None  # no history yet: ski rental
+    assert policy.overall.expected_tokens_left(0) is None  # no history yet: ski rental
     for i, length in enumerate([20, 30, 100, 200, 300]):
         seq = SimpleNamespace(request_id=str(i), params=SimpleNamespace(seed=None), num_tokens_left=10,
                               output_ids=[0] * length)
-        policy.num_tokens(seq, 1)
+        policy.num_tokens([seq], [1])
         policy.release(seq)
-    assert policy.expected_tokens_left(0) == pytest.approx(130)
-    assert policy.expected_tokens_left(25) == pytest.approx((5 + 75 + 175 + 275) / 4)
-    assert policy.expected_tokens_left(150) is None  # only 2 requests ran that long
+    assert policy.overall.expected_tokens_left(0) == pytest.approx(130)
+    assert policy.overall.expected_tokens_left(25) == pytest.approx((5 + 75 + 175 + 275) / 4)
+    assert policy.overall.expected_tokens_left(150) is None  # only 2 requests ran that long
 
 
 def test_cost_model_interpolates_and_round_trips(tmp_path):
@@ -203,12 +203,62 @@ def test_probing_back_off_carries_over_to_the_next_request():
     from draftwise.adaptive.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(), 4)
-    policy.shared = AcceptanceEstimate.prior(4, 0.05)  # this drafter is useless here
+    policy.overall.estimate = AcceptanceEstimate.prior(4, 0.05)  # this drafter is useless here
     first = SimpleNamespace(request_id="a", params=SimpleNamespace(seed=None), num_tokens_left=1000, output_ids=[])
     for _ in range(300):
-        k = policy.num_tokens(first, 1)
+        k, = policy.num_tokens([first], [1])
         policy.observe(first, k, 0)
-    assert policy.shared_interval == 4 * first_probe_interval(costs())
+    assert policy.overall.interval == 4 * first_probe_interval(costs())
     second = SimpleNamespace(request_id="b", params=SimpleNamespace(seed=None), num_tokens_left=1000, output_ids=[])
-    choices = [policy.num_tokens(second, 1) for _ in range(policy.shared_interval)]
-    assert choices.index(1) == policy.shared_interval - 1  # no early probe: the back-off was learnt
+    choices = [policy.num_tokens([second], [1])[0] for _ in range(policy.overall.interval)]
+    assert choices.index(1) == policy.overall.interval - 1  # no early probe: the back-off was learnt
+
+
+def test_a_batch_lowers_k_and_turns_speculation_off_when_it_would_lose():
+    """Solo, each row drafts; in a batch the shared verification pass grows with every drafted
+    token, so k comes down, and a large batch takes plain steps."""
+    from types import SimpleNamespace
+
+    from draftwise.adaptive.policy import AdaptiveLength
+
+    # A CPU-like curve: flat up to 4 tokens, then linear in tokens (compute-bound).
+    target = {n: 0.070 * max(1.0, n / 4) for n in range(1, 129)}
+    model = CostModel(target, {k: 0.02 * k for k in range(1, 9)})
+    policy = AdaptiveLength(model, 8)
+    policy.overall.estimate = AcceptanceEstimate.prior(8, 0.7)
+
+    def rows(count):
+        return [SimpleNamespace(request_id=f"{count}-{i}", params=SimpleNamespace(seed=None, greedy=True),
+                                num_tokens_left=1000, output_ids=[0] * 50) for i in range(count)]
+
+    solo = policy.num_tokens(rows(1), [1])
+    pair = policy.num_tokens(rows(2), [1, 1])
+    large = policy.num_tokens(rows(16), [1] * 16)
+    assert solo[0] >= 2 and 0 < max(pair) < solo[0] and large == [0] * 16
+    assert model.batch_step_seconds([solo[0]]) == model.step_seconds(solo[0])  # one row: the solo model
+
+
+def test_each_traffic_segment_keeps_its_own_memory():
+    """Short translations teach the translation segment not to pay a catch-up; code, in its own
+    segment, still does; unlabelled requests use the overall memory, which every request feeds."""
+    from types import SimpleNamespace
+
+    from draftwise.adaptive.policy import AdaptiveLength
+
+    policy = AdaptiveLength(costs(catch_up=0.005), 4)
+
+    def request(name, segment, length):
+        return SimpleNamespace(request_id=name, segment=segment, params=SimpleNamespace(seed=None, greedy=True),
+                               num_tokens_left=1000 - length, output_ids=[0] * length)
+
+    for i in range(6):
+        for segment, length in (("translation", 20), ("code", 400)):
+            seq = request(f"{segment}{i}", segment, length)
+            policy.num_tokens([seq], [1])
+            policy.release(seq)
+    assert policy.segments["translation"].expected_tokens_left(0) == 20
+    assert policy.segments["code"].expected_tokens_left(0) == 400
+    assert policy.overall.expected_tokens_left(0) == 210
+    translation, code = request("t", "translation", 0), request("c", "code", 0)
+    assert policy.num_tokens([translation], [100]) == [0]  # 0.5 s of catch-up for ~20 tokens: no
+    assert policy.num_tokens([code], [100])[0] > 0  # for ~400 tokens: yes, at once

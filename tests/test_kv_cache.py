@@ -1,4 +1,4 @@
-"""KV-cache rollback is bookkeeping, and ragged batches give each row its solo logits."""
+"""KV-cache rollback is bookkeeping, paged blocks hold each row, and ragged batches give each row its solo logits."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def recompute(model, tokens):
 
 
 def test_write_truncate_rewrite_equals_recomputation(model):
-    runner = ModelRunner(model, max_num_rows=2, max_len=64)
+    runner = ModelRunner(model, max_num_rows=2, max_len=64, block_size=4)
     row = runner.allocate()
     runner.forward([row], [TOKENS[:8]], [1])
     runner.forward([row], [[200, 201, 202]], [3])  # a rejected continuation...
@@ -42,7 +42,7 @@ def test_logits_of_several_positions(model):
 
 
 def test_ragged_batch_equals_each_row_alone(model):
-    runner = ModelRunner(model, max_num_rows=4, max_len=64)
+    runner = ModelRunner(model, max_num_rows=4, max_len=64, block_size=4)
     prompts = [TOKENS[:3], TOKENS, TOKENS[:7], [9]]
     rows = [runner.allocate() for _ in prompts]
     rows = [rows[2], rows[0], rows[3], rows[1]]  # not in allocation order: exercises the gather path
@@ -59,14 +59,43 @@ def test_ragged_batch_equals_each_row_alone(model):
     assert [runner.length(r) for r in rows] == [4, 15, 7, 4]
 
 
-def test_free_rows_are_reused_and_bounds_checked(model):
-    runner = ModelRunner(model, max_num_rows=1, max_len=8)
+def test_interleaved_sequences_read_their_own_scattered_blocks(model):
+    """Two sequences growing in turn get interleaved blocks; each still reads exactly its own keys,
+    through the gather path (and alone, with consecutive blocks, through a slice)."""
+    runner = ModelRunner(model, max_num_rows=2, max_len=64, block_size=2)
+    a, b = runner.allocate(), runner.allocate()
+    for start in range(0, 12, 3):
+        runner.forward([a], [TOKENS[start:start + 3]], [1])
+        result = runner.forward([b], [TOKENS[::-1][start:start + 3]], [1])
+    assert runner.blocks.contiguous_start(a, 12) is None  # blocks interleave
+    torch.testing.assert_close(result.logits[0], recompute(model, TOKENS[::-1][:12]), rtol=1e-4, atol=1e-4)
+    both = runner.forward([a, b], [[5], [6]], [1, 1])
+    torch.testing.assert_close(both.logits[0], recompute(model, TOKENS[:12] + [5]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(both.logits[1], recompute(model, TOKENS[::-1][:12] + [6]), rtol=1e-4, atol=1e-4)
+    runner.blocks.check_invariants()
+
+
+def test_blocks_return_to_the_pool_and_bounds_are_checked(model):
+    runner = ModelRunner(model, max_num_rows=1, max_len=8, block_size=4)
+    assert runner.blocks.num_free_blocks == 2
     row = runner.allocate()
-    assert runner.num_free_rows == 0
     runner.forward([row], [TOKENS[:8]], [1])
+    assert runner.blocks.num_free_blocks == 0
     with pytest.raises(Exception, match="context holds 8"):
         runner.forward([row], [[1]], [1])
     with pytest.raises(ValueError):
         runner.truncate(row, 9)
+    runner.truncate(row, 3)  # a rejected run rolled back: its block goes back
+    assert runner.blocks.num_free_blocks == 1 and runner.length(row) == 3
     runner.free(row)
-    assert runner.num_free_rows == 1 and runner.allocate() == row and runner.length(row) == 0
+    assert runner.blocks.num_free_blocks == 2
+    runner.blocks.check_invariants()
+
+
+def test_a_full_cache_is_a_clear_error(model):
+    from draftwise.errors import KVCacheFullError
+
+    runner = ModelRunner(model, max_num_rows=1, max_len=64, num_blocks=2, block_size=4)
+    row = runner.allocate()
+    with pytest.raises(KVCacheFullError, match="needs 3 more blocks of 4 tokens but 2 of 2 are free"):
+        runner.forward([row], [TOKENS[:9]], [1])

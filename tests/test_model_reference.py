@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftwise.loading.hf_folder import load_model
-from draftwise.model.kv_cache import KVCache
+from draftwise.model.runner import ModelRunner
 
 PROMPT = [[5, 17, 42, 99, 3, 250, 7, 8, 120, 33]]
 
@@ -33,15 +33,11 @@ def test_logits_match_transformers(request, fixture, packed):
 def test_incremental_decoding_matches_full_pass(tiny_qwen):
     """Prefill then one token at a time through the cache gives the full pass's logits."""
     expected = reference_logits(tiny_qwen, PROMPT)[0]
-    model = load_model(tiny_qwen)
-    config = model.config
-    cache = KVCache(config.num_hidden_layers, 1, 64, config.num_key_value_heads, config.head_dim)
+    runner = ModelRunner(load_model(tiny_qwen), max_num_rows=1, max_len=64, block_size=4)
+    row = runner.allocate()
     tokens = PROMPT[0]
-    with torch.no_grad():
-        first = model(torch.tensor([tokens[:4]]), torch.arange(4)[None],
-                      cache.view([0], torch.arange(4)[None]))[0]
-        steps = [model(torch.tensor([[t]]), torch.tensor([[p]]), cache.view([0], torch.tensor([[p]])))[0, 0]
-                 for p, t in enumerate(tokens[4:], start=4)]
+    first = runner.forward([row], [tokens[:4]], [4]).logits
+    steps = [runner.forward([row], [[t]], [1]).logits[0] for t in tokens[4:]]
     got = torch.cat([first, torch.stack(steps)])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 

@@ -65,9 +65,9 @@ class CyclingLength:
     def __init__(self, pattern):
         self.pattern, self.step = pattern, 0
 
-    def num_tokens(self, seq, lag):
+    def num_tokens(self, seqs, lags):
         self.step += 1
-        return self.pattern[self.step % len(self.pattern)]
+        return [self.pattern[(self.step + b) % len(self.pattern)] for b in range(len(seqs))]
 
     def observe(self, seq, num_drafted, num_accepted):
         pass
@@ -80,7 +80,7 @@ class CyclingLength:
 def test_greedy_equality_with_plain_steps_between_drafts(name, tiny_qwen, random_draft, plain):
     """k changing every step, with runs of k = 0: a draft model must catch up on what it missed."""
     llm = speculative(tiny_qwen, **CONFIGS[name](tiny_qwen, random_draft, 6), adaptive=False)
-    llm.engine.draft_length = CyclingLength([0, 3, 0, 0, 1, 6, 0, 2, 5])
+    llm.engine.drafters[llm.default_method].draft_length = CyclingLength([0, 3, 0, 0, 1, 6, 0, 2, 5])
     assert_same(llm, plain, PROMPTS + [REPETITIVE], GREEDY)
     assert llm.spec_metrics.num_plain_steps > 0 and llm.spec_metrics.num_draft_tokens > 0
 
@@ -109,10 +109,11 @@ def test_draft_context_window_bounds_the_catch_up_and_restarts_after_plain_steps
                         draft_context_window=None)
     windowed = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=4,
                            adaptive=False, draft_context_window=3)
-    windowed.engine.draft_length = CyclingLength([0, 0, 0, 0, 0, 4, 2, 0, 0, 0, 0, 0, 0, 3])
+    windowed.engine.drafters["draft"].draft_length = CyclingLength([0, 0, 0, 0, 0, 4, 2, 0, 0, 0, 0, 0, 0, 3])
     lags = []
-    lag = windowed.engine.proposer.lag
-    windowed.engine.proposer.lag = lambda seq: lags.append(lag(seq)) or lags[-1]
+    proposer = windowed.engine.drafters["draft"].proposer
+    lag = proposer.lag
+    proposer.lag = lambda seq: lags.append(lag(seq)) or lags[-1]
     assert_same(whole, plain, PROMPTS, GREEDY)
     assert_same(windowed, plain, PROMPTS + [REPETITIVE], GREEDY)
     assert whole.spec_metrics.acceptance_rate == 1.0
@@ -139,8 +140,9 @@ def test_trimmed_draft_vocabulary_only_proposes_kept_tokens(tiny_qwen):
     kept = set(kept_token_ids(llm.tokenizer, 40).tolist())
     assert len(kept) == 40 and llm.tokenizer.special_token_ids <= kept
     drafted = []
-    original = llm.engine.proposer.propose
-    llm.engine.proposer.propose = lambda seqs, k: [drafted.extend(d.token_ids) or d for d in original(seqs, k)]
+    proposer = llm.engine.drafters[llm.default_method].proposer
+    original = proposer.propose
+    proposer.propose = lambda seqs, k: [drafted.extend(d.token_ids) or d for d in original(seqs, k)]
     llm.generate(PROMPTS, GREEDY)
     assert drafted and set(drafted) <= kept
     assert llm.spec_metrics.acceptance_rate < 1.0  # the full-vocabulary draft=target accepts everything

@@ -1,7 +1,7 @@
 """What a speculation step costs on this machine, measured rather than assumed.
 
 Two tables, both in seconds:
-  target[n]  one target forward over n new tokens (batch 1, a 256-token context), n = 1..16;
+  target[n]  one target forward over n new tokens (batch 1, a 256-token context), n = 1..64;
              a plain decoding step is target[1], verifying k drafted tokens is target[k + 1];
   draft[k]   one call of the drafter proposing k tokens, its overheads included (k = 1..K);
 and catch_up, the seconds per token a drafter with its own cache (a draft model) spends absorbing
@@ -10,6 +10,11 @@ steps taken meanwhile. A step with k drafted tokens is modelled as draft[k] + ta
 in both and cancels out). Tables are measured once per machine and configuration (see
 `profile.py`) and cached on disk; between measured points, and past the last one, costs are
 interpolated / extrapolated linearly.
+
+Batches: a step over B rows where row b drafts k_b tokens is modelled as one target pass over all
+sum(k_b + 1) tokens (the weights are read once for all rows; on a CPU the linear layers dominate,
+so n tokens cost about the same in one row or in many), plus the drafter's rounds: round j runs
+over the rows still drafting and is assumed to grow with rows as the target's forward does.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ class CostModel:
     def step_seconds(self, num_draft_tokens: int) -> float:
         """A step that drafts k tokens and verifies them (k = 0: a plain decoding step)."""
         return self.draft_seconds(num_draft_tokens) + self.target_seconds(num_draft_tokens + 1)
+
+    def batch_step_seconds(self, num_draft_tokens: list[int]) -> float:
+        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`)."""
+        plain = self.target_seconds(1)
+        drafting = 0.0
+        for j in range(1, max(num_draft_tokens, default=0) + 1):
+            rows = sum(k >= j for k in num_draft_tokens)
+            drafting += (self.draft_seconds(j) - self.draft_seconds(j - 1)) * self.target_seconds(rows) / plain
+        return drafting + self.target_seconds(sum(k + 1 for k in num_draft_tokens))
 
     # --- persistence ------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from draftwise.adaptive.controller import AcceptanceEstimate, GoodputController
+from draftwise.adaptive.controller import AcceptanceEstimate, GoodputController, expected_tokens
 from draftwise.adaptive.cost_model import CostModel
 from draftwise.engine.sequence import Sequence
 
 MAX_LENGTHS_KEPT = 256
 MIN_LENGTHS = 4
+MAX_SEGMENTS = 32
 
 
 class DraftLengthPolicy(Protocol):
-    def num_tokens(self, seq: Sequence, lag: int) -> int:
-        """Tokens to draft for `seq` this step (0: a plain step); lag: the drafter's backlog."""
+    def num_tokens(self, seqs: list[Sequence], lags: list[int]) -> list[int]:
+        """Tokens to draft for each row of this step's batch (0: a plain step for that row);
+        lags: the drafter's backlog per row."""
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """What the verification of this step's draft gave."""
@@ -28,8 +31,8 @@ class FixedLength:
     def __init__(self, num_tokens: int) -> None:
         self.k = num_tokens
 
-    def num_tokens(self, seq: Sequence, lag: int) -> int:
-        return self.k
+    def num_tokens(self, seqs: list[Sequence], lags: list[int]) -> list[int]:
+        return [self.k] * len(seqs)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         pass
@@ -38,24 +41,48 @@ class FixedLength:
         pass
 
 
+@dataclass(slots=True)
+class TrafficMemory:
+    """What a drafter learnt from the requests of one kind of traffic: its acceptance estimate,
+    its probing back-off, and how long requests ran."""
+
+    estimate: AcceptanceEstimate
+    interval: int | None = None  # the probing back-off reached (None: the controller's first)
+    lengths: deque = field(default_factory=lambda: deque(maxlen=MAX_LENGTHS_KEPT))  # tokens of finished requests
+
+    def expected_tokens_left(self, generated: int) -> float | None:
+        """Mean of L - generated over the finished requests that ran longer than `generated`
+        (None while fewer than MIN_LENGTHS did: then the controller falls back to ski rental)."""
+        longer = [length - generated for length in self.lengths if length > generated]
+        return sum(longer) / len(longer) if len(longer) >= MIN_LENGTHS else None
+
+
 class AdaptiveLength:
-    """A `GoodputController` per request, each starting from what earlier requests taught: the
-    drafter's acceptance estimate, its probing back-off, and how long requests run."""
+    """A `GoodputController` per request, each starting from what earlier requests taught.
+
+    Traffic differs: translations end after ~20 tokens, code runs on; a draft model's catch-up pays
+    on one and not the other, and acceptance differs too. Requests may carry a traffic `segment`
+    (a label); each segment keeps its own memory (the first MAX_SEGMENTS labels; later ones, and
+    requests without a label, share the drafter's overall memory, which every request also feeds).
+    A new segment starts from the overall estimate."""
 
     def __init__(self, costs: CostModel, max_tokens: int, probe_interval: int = 8) -> None:
         self.costs = costs
         self.max_tokens = max_tokens
         self.probe_interval = probe_interval
-        self.shared = AcceptanceEstimate.prior(max_tokens)  # the drafter's running estimate
-        self.shared_interval: int | None = None  # and its probing back-off (None: the controller's first)
-        self.finished_lengths: deque[int] = deque(maxlen=MAX_LENGTHS_KEPT)  # tokens emitted by finished requests
+        self.overall = TrafficMemory(AcceptanceEstimate.prior(max_tokens))
+        self.segments: dict[str, TrafficMemory] = {}
         self._controllers: dict[str, GoodputController] = {}
 
-    def expected_tokens_left(self, generated: int) -> float | None:
-        """Mean of L - generated over the finished requests that ran longer than `generated`
-        (None while fewer than MIN_LENGTHS did: then the controller falls back to ski rental)."""
-        longer = [length - generated for length in self.finished_lengths if length > generated]
-        return sum(longer) / len(longer) if len(longer) >= MIN_LENGTHS else None
+    def memory(self, seq: Sequence) -> TrafficMemory:
+        segment = getattr(seq, "segment", None)
+        if segment is None:
+            return self.overall
+        if segment not in self.segments:
+            if len(self.segments) >= MAX_SEGMENTS:
+                return self.overall
+            self.segments[segment] = TrafficMemory(self.overall.estimate.copy(), self.overall.interval)
+        return self.segments[segment]
 
     def controller(self, seq: Sequence) -> GoodputController:
         if seq.request_id not in self._controllers:
@@ -63,25 +90,53 @@ class AdaptiveLength:
             # choices (and so how it draws its random numbers) then depend on itself alone, and the
             # same seed gives the same output on the same machine.
             seeded = seq.params.seed is not None
-            start = AcceptanceEstimate.prior(self.max_tokens) if seeded else self.shared.copy()
+            memory = self.memory(seq)
+            start = AcceptanceEstimate.prior(self.max_tokens) if seeded else memory.estimate.copy()
             self._controllers[seq.request_id] = GoodputController(
                 self.costs, self.max_tokens, start, self.probe_interval,
-                start_interval=None if seeded else self.shared_interval)
+                start_interval=None if seeded else memory.interval)
         return self._controllers[seq.request_id]
 
-    def num_tokens(self, seq: Sequence, lag: int) -> int:
+    def num_tokens(self, seqs: list[Sequence], lags: list[int]) -> list[int]:
+        choices = [self._solo(seq, lag) for seq, lag in zip(seqs, lags)]
+        return self._fit_to_batch(seqs, choices) if len(seqs) > 1 and any(choices) else choices
+
+    def _solo(self, seq: Sequence, lag: int) -> int:
         generated = len(seq.output_ids)
         # A seeded request decides from itself alone (see `controller`).
-        expected = None if seq.params.seed is not None else self.expected_tokens_left(generated)
+        expected = None if seq.params.seed is not None else self.memory(seq).expected_tokens_left(generated)
         return self.controller(seq).choose(lag, seq.num_tokens_left, generated, expected)
+
+    def _fit_to_batch(self, seqs: list[Sequence], choices: list[int]) -> list[int]:
+        """Each row's own choice assumed a step of its own; in a batch every drafted token adds
+        to one shared verification pass, whose cost grows with the batch. Cap every row's k at a
+        common c (c = 0: the whole batch takes a plain step), choosing c for the best batch
+        goodput sum_b E_b(min(k_b, c)) / C(min(k_1, c), ..., min(k_B, c)). Rows whose solo choice
+        was 0 stay plain, so drafting and plain rows mix in one step. A seeded sampled row keeps
+        its choice: its output then depends on its seed alone, not on the batch it ran in."""
+        rates = [self.controller(seq).estimate.effective_rates() for seq in seqs]
+        fixed = [seq.params.seed is not None and not seq.params.greedy for seq in seqs]
+        best, best_goodput = choices, -1.0
+        for cap in range(max(choices), -1, -1):
+            capped = [k if keep else min(k, cap) for k, keep in zip(choices, fixed)]
+            goodput = sum(expected_tokens(r, k) for r, k in zip(rates, capped)) / self.costs.batch_step_seconds(capped)
+            if goodput > best_goodput * (1 + 1e-9):
+                best, best_goodput = capped, goodput
+        return best
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         controller = self.controller(seq)
         controller.observe(num_drafted, num_accepted)
-        self.shared.observe(num_drafted, num_accepted)
-        if seq.params.seed is None:
-            self.shared_interval = controller.interval
+        for memory in self._memories(seq):
+            memory.estimate.observe(num_drafted, num_accepted)
+            if seq.params.seed is None:
+                memory.interval = controller.interval
 
     def release(self, seq: Sequence) -> None:
         if self._controllers.pop(seq.request_id, None) is not None:
-            self.finished_lengths.append(len(seq.output_ids))
+            for memory in self._memories(seq):
+                memory.lengths.append(len(seq.output_ids))
+
+    def _memories(self, seq: Sequence) -> list[TrafficMemory]:
+        memory = self.memory(seq)
+        return [memory] if memory is self.overall else [memory, self.overall]

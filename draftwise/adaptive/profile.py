@@ -1,6 +1,7 @@
 """Measure a `CostModel` on the machine at hand, and cache it per configuration.
 
-The target is timed over n = 1..8, 12 and 16 new tokens after a 256-token context; the drafter is
+The target is timed over n = 1..8, 12, 16, 24, 32, 48 and 64 new tokens after a 256-token context
+(the larger n stand for batches: B rows verifying k + 1 tokens each); the drafter is
 timed through its own `propose` (whatever it is: a model, a lookup, the target's first layers)
 for k = 1..K on the same context, rolled back after each call exactly as after a rejected
 draft. Each point is the fastest of a few round-robin repetitions after a warm-up. It takes a few seconds for
@@ -25,7 +26,7 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.spec.proposer import Proposer
 from draftwise.tokenizer import Tokenizer
 
-TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # 16+: batches of rows
 CONTEXT_TOKENS = 256
 REPEATS = 5
 _SAMPLE_TEXT = (
@@ -59,7 +60,8 @@ def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, to
     """The cached cost model for `key`, measuring (and caching) it if absent or if asked to."""
     path = profile_path(key)
     cached = None if refresh else CostModel.read(path)
-    if cached is not None and cached.key == key and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens):
+    if (cached is not None and cached.key == key and max(cached.target) >= max(TARGET_SIZES)
+            and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens)):
         return cached
     model = measure(runner, proposer, tokenizer, max_draft_tokens)
     model.key = key
@@ -70,7 +72,8 @@ def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, to
 def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,
             max_draft_tokens: int) -> CostModel:
     """Time the target over n new tokens and the drafter over k proposed tokens (needs a free row)."""
-    prompt_ids = _context_ids(tokenizer, min(CONTEXT_TOKENS, runner.max_len - max(TARGET_SIZES) - max_draft_tokens - 2))
+    capacity = min(runner.max_len, runner.blocks.num_blocks * runner.blocks.block_size)
+    prompt_ids = _context_ids(tokenizer, min(CONTEXT_TOKENS, capacity - max(TARGET_SIZES) - max_draft_tokens - 2))
     params = SamplingParams(temperature=0.0, max_tokens=max(TARGET_SIZES) + max_draft_tokens + 1, ignore_eos=True)
     seq = Sequence("cost-profile", "", prompt_ids, params, tokenizer, frozenset(), runner.max_len, runner.device)
     seq.row = runner.allocate()

@@ -1,92 +1,128 @@
 """The decode loop: schedule, propose, verify in one target pass, commit or roll back, feed back.
 
 Plain decoding is the case without a proposer: every step verifies an empty draft, which is
-ordinary sampling from the target.
+ordinary sampling from the target. Rows of a batch are ragged (each has its own length and
+accepts its own number of tokens); nothing is realigned, every row rolls back by bookkeeping.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from draftwise.adaptive.policy import DraftLengthPolicy
+from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
+from draftwise.errors import InvalidParameterError, KVCacheFullError
 from draftwise.model.runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
 from draftwise.spec.proposer import Draft, Proposer
 from draftwise.spec.verify import verify
 
 
+@dataclass(slots=True)
+class Drafter:
+    """One way of speculating: who proposes, how many tokens a row drafts, randomized drafting."""
+
+    proposer: Proposer
+    draft_length: DraftLengthPolicy
+    max_tokens: int  # num_speculative_tokens: the most a row drafts in one step
+    draft_probability: float = 1.0  # randomized drafting (sampled requests; see spec.verify)
+
+
 class Engine:
-    def __init__(self, runner: ModelRunner, proposer: Proposer | None = None,
-                 draft_length: DraftLengthPolicy | None = None, draft_probability: float = 1.0) -> None:
+    """Each request names its drafter (`seq.method`, None: plain decoding); rows of different
+    drafters, and plain rows, share one batch and one verification pass."""
+
+    def __init__(self, runner: ModelRunner, drafters: dict[str, Drafter] | None = None,
+                 default_method: str | None = None, max_num_seqs: int = 8) -> None:
         self.runner = runner
-        self.proposer = proposer if draft_length is not None else None
-        self.draft_length = draft_length
-        self.draft_probability = draft_probability  # randomized drafting (sampled requests; see spec.verify)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.default_method = default_method  # what requests that do not say use
+        self.scheduler = Scheduler(runner.blocks, max_num_seqs, self._step_tokens(), self._release_state)
+        self.last_num_tokens: dict[str, float] = {}  # method -> mean k over its rows in the last step
+
+    def add_drafter(self, method: str, drafter: Drafter) -> None:
+        self.drafters[method] = drafter
+        self.scheduler.step_tokens = self._step_tokens()
+
+    def _step_tokens(self) -> int:
+        """The most tokens a decode step appends to a row: the newest token and a draft."""
+        return 1 + max((d.max_tokens for d in self.drafters.values()), default=0)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.method is not None and seq.method not in self.drafters:
+            raise InvalidParameterError(f"no drafter {seq.method!r}; this engine has {sorted(self.drafters)}")
+        self.scheduler.add(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise if the request could never fit in the KV cache (what `add` would refuse)."""
+        self.scheduler.check(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
         """One step; returns the sequences that received tokens (finished ones included)."""
-        if self.waiting and self.runner.num_free_rows:
-            batch = [self._admit(self.waiting.popleft())]  # prefill one prompt: no padding waste
+        step = self.scheduler.schedule()
+        if step is None:
+            if self.scheduler.has_unfinished():  # `check` makes this unreachable: fail loudly, never hang
+                raise KVCacheFullError("no waiting request fits in the KV cache and none is running")
+            return []
+        batch = step.seqs
+        if step.is_prefill:
+            batch[0].row = self.runner.allocate()
             drafts, skipped = [Draft([])], [False]
         else:
-            batch = list(self.running)
-            if not batch:
-                return []
             drafts, skipped = self._propose(batch)
         num_accepted = self._verify_and_commit(batch, drafts, skipped)
-        if self.proposer is not None:
-            self.proposer.on_verified(batch, num_accepted)
-            for seq, draft, accepted, skip in zip(batch, drafts, num_accepted, skipped):
-                if not skip:
-                    self.draft_length.observe(seq, len(draft.token_ids), accepted)
+        for method, rows in _rows_by_method(batch).items():
+            drafter = self.drafters[method]
+            drafter.proposer.on_verified([batch[b] for b in rows], [num_accepted[b] for b in rows])
+            for b in rows:
+                if not skipped[b]:
+                    drafter.draft_length.observe(batch[b], len(drafts[b].token_ids), num_accepted[b])
         for seq in batch:
             if seq.finished:
                 self._retire(seq)
         return batch
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a request now, waiting or running: its blocks and drafter state are freed at once."""
         seq.finish(reason)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self._retire(seq)
+        self._retire(seq)
 
     # --- the steps --------------------------------------------------------------------------
     def _propose(self, batch: list[Sequence]) -> tuple[list[Draft], list[bool]]:
         """Drafts, and per row whether randomized drafting's coin turned the step into a plain one."""
+        drafts = [Draft([]) for _ in batch]
         skipped = [False] * len(batch)
-        if self.proposer is None:
-            return [Draft([]) for _ in batch], skipped
-        # Never draft past what the request may still emit: the verification adds one token.
-        num_tokens = [max(0, min(self.draft_length.num_tokens(seq, self.proposer.lag(seq)), seq.num_tokens_left - 1))
-                      for seq in batch]
-        if self.draft_probability < 1:
-            for b, seq in enumerate(batch):
-                if num_tokens[b] and not seq.params.greedy and not _coin(self.draft_probability, seq.generator):
-                    num_tokens[b], skipped[b] = 1, True  # tails: a plain step, which needs q at position 1
-        if not any(num_tokens):
-            drafts = [Draft([]) for _ in batch]
-        else:
+        for method, rows in _rows_by_method(batch).items():
+            drafter = self.drafters[method]
+            seqs = [batch[b] for b in rows]
+            choices = drafter.draft_length.num_tokens(seqs, [drafter.proposer.lag(seq) for seq in seqs])
+            # Never draft past what the request may still emit: the verification adds one token.
+            num_tokens = [max(0, min(k, seq.num_tokens_left - 1, seq.max_draft_tokens or k))
+                          for k, seq in zip(choices, seqs)]
+            self.last_num_tokens[method] = sum(num_tokens) / len(num_tokens)
+            if drafter.draft_probability < 1:
+                for i, seq in enumerate(seqs):
+                    if num_tokens[i] and not seq.params.greedy and not _coin(drafter.draft_probability, seq.generator):
+                        num_tokens[i], skipped[rows[i]] = 1, True  # tails: a plain step, which needs q at position 1
+            if not any(num_tokens):
+                continue
             start = time.perf_counter()
-            drafts = self.proposer.propose(batch, num_tokens)
+            proposals = drafter.proposer.propose(seqs, num_tokens)
             elapsed = time.perf_counter() - start
-            for seq in batch:
-                seq.metrics.spec.draft_seconds += elapsed
+            for b, draft in zip(rows, proposals):
+                drafts[b] = draft
+                batch[b].metrics.spec.draft_seconds += elapsed
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
-            seq.metrics.spec.num_plain_steps += skip or not draft.token_ids
+            if seq.method is not None:
+                seq.metrics.spec.num_plain_steps += skip or not draft.token_ids
         return drafts, skipped
 
     def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool]) -> list[int]:
@@ -105,10 +141,11 @@ class Engine:
                                        target_logits.shape[-1], device)
         draft_ids = torch.tensor([d.token_ids + [0] * (width - len(d.token_ids)) for d in drafts],
                                  dtype=torch.long, device=device)
-        randomized = self.draft_probability < 1 and not sampling.all_greedy
+        draft_rates = [self._draft_rate(seq) for seq in batch]  # [B] randomized drafting's a per row
+        randomized = min(draft_rates) < 1
         verified = verify(draft_ids.view(len(batch), width), torch.tensor(num_draft, device=device),
                           target_logits, _stack_draft_probs(drafts, width), sampling,
-                          draft_rate=_draft_rates(batch, self.draft_probability, device) if randomized else None,
+                          draft_rate=torch.tensor(draft_rates, device=device) if randomized else None,
                           draft_skipped=torch.tensor(skipped, device=device) if randomized else None)
         output_ids = verified.output_token_ids.tolist()  # the step's one host sync
         num_accepted = verified.num_accepted.tolist()
@@ -123,27 +160,38 @@ class Engine:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
 
-    def _admit(self, seq: Sequence) -> Sequence:
-        seq.row = self.runner.allocate()
-        self.running.append(seq)
-        return seq
+    def _draft_rate(self, seq: Sequence) -> float:
+        """Randomized drafting's a for this row: its drafter's for sampled rows, 1 otherwise."""
+        if seq.method is None or seq.params.greedy:
+            return 1.0
+        return self.drafters[seq.method].draft_probability
+
+    def _release_state(self, seq: Sequence) -> None:
+        """Free the request's KV blocks and its drafter's state (finished, aborted or preempted)."""
+        if seq.row is not None:
+            self.runner.free(seq.row)
+            seq.row = None
+        if seq.method is not None:
+            self.drafters[seq.method].proposer.release(seq)
 
     def _retire(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.runner.free(seq.row)
-        seq.row = None
-        if self.proposer is not None:
-            self.proposer.release(seq)
-            self.draft_length.release(seq)
+        self.scheduler.remove(seq)
+        self._release_state(seq)
+        if seq.method is not None:
+            self.drafters[seq.method].draft_length.release(seq)
+
+
+def _rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:
+    """Row indices of the batch grouped by drafter (plain rows left out)."""
+    groups: dict[str, list[int]] = {}
+    for b, seq in enumerate(batch):
+        if seq.method is not None:
+            groups.setdefault(seq.method, []).append(b)
+    return groups
 
 
 def _coin(probability: float, generator: torch.Generator | None) -> bool:
     return bool(torch.rand((), generator=generator, device=generator.device if generator else None) < probability)
-
-
-def _draft_rates(batch: list[Sequence], probability: float, device) -> torch.Tensor:
-    """[B] randomized drafting's a per row: the configured probability for sampled rows, 1 for greedy ones."""
-    return torch.tensor([1.0 if seq.params.greedy else probability for seq in batch], device=device)
 
 
 def _pad_rows(flat: torch.Tensor, cu: list[int], width: int) -> torch.Tensor:

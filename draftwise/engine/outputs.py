@@ -15,6 +15,7 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     spec: SpecMetrics | None = None  # speculation counters, when the request was speculated
+    num_preemptions: int = 0  # times the request was sent back to the queue for lack of KV blocks
 
     @property
     def seconds(self) -> float:
@@ -63,6 +64,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    delta: str = ""  # from LLM.step: text new since the previous output (stop-string safe)
+    num_new_tokens: int = 0  # from LLM.step: tokens new since the previous output
 
     @property
     def finished(self) -> bool:

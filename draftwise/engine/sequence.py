@@ -22,6 +22,9 @@ class Sequence:
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
         self.row: int | None = None  # cache row while running
+        self.method: str | None = None  # the drafter speculating for it (None: plain decoding)
+        self.max_draft_tokens: int | None = None  # a per-request cap on k (None: the drafter's own)
+        self.segment: str | None = None  # a traffic label: the controller keeps per-segment statistics
         self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model.config import ModelConfig
-from draftwise.model.kv_cache import KVCacheView
+from draftwise.cache.kv_cache import KVCacheView
 from draftwise.model.layers import apply_rotary
 
 PER_QUERY_MAX = 64

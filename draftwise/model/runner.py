@@ -1,20 +1,24 @@
 """The narrow interface between the engine and a model backend.
 
-The engine hands the runner a ragged batch (each row: a cache row and the new token ids to append
-to it) and gets back logits for the last positions of each row that it asked for. Rows keep their
-own lengths; rollback is `truncate(row, n)`. Another backend (quantized kernels, say) implements
-the same methods without the speculation code noticing.
+The engine hands the runner a ragged batch (each row: a sequence handle and the new token ids to
+append to it) and gets back logits for the last positions of each row that it asked for. Rows keep
+their own lengths; their keys and values live in a paged cache (`draftwise.cache`) whose blocks
+they take as they grow and give back when rolled back (`truncate(handle, n)`) or freed. Another
+backend implements the same methods without the speculation code noticing.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
+from draftwise.cache.kv_cache import KVCache
 from draftwise.errors import PromptTooLongError
-from draftwise.model.kv_cache import KVCache
 from draftwise.model.transformer import Transformer
+
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(slots=True)
@@ -25,36 +29,43 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, max_num_rows: int, max_len: int) -> None:
+    def __init__(self, model: Transformer, max_num_rows: int, max_len: int, *, num_blocks: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        """max_num_rows * max_len tokens of cache unless `num_blocks` says how many blocks."""
         self.model = model
         config = model.config
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.vocab_size = config.vocab_size
         self.max_len = max_len
-        self.cache = KVCache(config.num_hidden_layers, max_num_rows, max_len, config.num_key_value_heads,
+        if num_blocks is None:
+            num_blocks = max_num_rows * -(-max_len // block_size)
+        self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
                              config.head_dim, self.dtype, self.device)
-        self._free_rows = list(range(max_num_rows - 1, -1, -1))
+        self.blocks = self.cache.blocks
+        self._handles = itertools.count()
 
-    # --- rows -------------------------------------------------------------------------------
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
+    @staticmethod
+    def kv_bytes_per_token(model: Transformer) -> int:
+        config = model.config
+        return KVCache.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                       model.embed_tokens.weight.dtype)
 
+    # --- sequences ----------------------------------------------------------------------------
     def allocate(self) -> int:
-        row = self._free_rows.pop()
-        self.cache.lengths[row] = 0
-        return row
+        """A handle for a new, empty sequence (it takes blocks as it grows)."""
+        handle = next(self._handles)
+        self.blocks.add(handle)
+        return handle
 
-    def free(self, row: int) -> None:
-        self.cache.free(row)
-        self._free_rows.append(row)
+    def free(self, handle: int) -> None:
+        self.blocks.free(handle)
 
-    def length(self, row: int) -> int:
-        return self.cache.lengths[row]
+    def length(self, handle: int) -> int:
+        return self.blocks.lengths[handle]
 
-    def truncate(self, row: int, length: int) -> None:
-        self.cache.truncate(row, length)
+    def truncate(self, handle: int, length: int) -> None:
+        self.blocks.truncate(handle, length)
 
     # --- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -67,13 +78,15 @@ class ModelRunner:
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
     ) -> ForwardResult:
-        """Append token_ids[b] to cache row rows[b] and return logits for its last num_logits[b] tokens."""
-        lengths = [self.cache.lengths[row] for row in rows]
+        """Append token_ids[b] to sequence rows[b] and return logits for its last num_logits[b] tokens."""
+        lengths = [self.blocks.lengths[row] for row in rows]
         counts = [len(ids) for ids in token_ids]
         for row, length, count in zip(rows, lengths, counts):
             if length + count > self.max_len:
                 raise PromptTooLongError(
                     f"sequence needs {length + count} positions but the context holds {self.max_len}")
+        for row, length, count in zip(rows, lengths, counts):
+            self.blocks.grow(row, length + count)
         width = max(counts)
         kv_length = max(length + count for length, count in zip(lengths, counts))
         padded = [ids + [0] * (width - len(ids)) for ids in token_ids]
@@ -84,7 +97,7 @@ class ModelRunner:
         token_tensor = torch.tensor(padded, device=self.device)  # [B, S]
         position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
         valid_tensor = None if valid is None else torch.tensor(valid, device=self.device)  # [B, S]
-        view = self.cache.view(rows, position_tensor, valid_tensor, positions)
+        view = self.cache.view(rows, positions, valid_tensor, valid, kv_length)
         hidden, captured = self.model.hidden_states(
             token_tensor, position_tensor, view, kv_length=kv_length,
             num_layers=num_layers, capture_layers=capture_layers)
@@ -95,7 +108,7 @@ class ModelRunner:
         picked = hidden[batch_index, seq_index]  # [N, H]
         logits = self.model.logits(picked)  # [N, V]
         for row, length, count in zip(rows, lengths, counts):
-            self.cache.lengths[row] = length + count
+            self.blocks.set_length(row, length + count)
         cu = [0]
         for n in num_logits:
             cu.append(cu[-1] + n)

@@ -12,7 +12,7 @@ from torch import nn
 
 from draftwise.model.attention import Attention
 from draftwise.model.config import ModelConfig
-from draftwise.model.kv_cache import KVCacheView
+from draftwise.cache.kv_cache import KVCacheView
 from draftwise.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
 
 

@@ -1,0 +1,135 @@
+"""Throughput and latency against concurrency: plain decoding vs adaptive speculation, batched.
+
+    python bench/concurrency.py [--levels 1,2,4,8,16] [--requests 16] [--max-tokens 64]
+
+Closed loop through the continuous-batching engine (`LLM.add_request` / `LLM.step`): at
+concurrency c there are always c requests in flight (a finished one is replaced by the next
+prompt at once) until `--requests` have finished. Prompts: Spec-Bench first turns (2 per
+category, in the chat template) and HumanEval prompts, the same for every config and level.
+Greedy, default weights. Reported per config and level: total generated tokens per second over
+the level's wall time, the speedup over plain decoding at the same level, per-request latency
+(arrival to last token) p50 / p95, and whether every output equals plain decoding's. Writes
+BENCHMARKS.md's `concurrency` section and a plot (bench/plots/concurrency.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.adaptive import workload  # noqa: E402
+from bench.report import RESULTS, table, write_section  # noqa: E402
+from draftwise import LLM, SamplingParams  # noqa: E402
+
+PLOT = Path(__file__).resolve().parent / "plots" / "concurrency.png"
+CONFIGS = {
+    "plain": None,
+    "draft adaptive": {"method": "draft", "num_speculative_tokens": 8},
+    "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8},
+}
+
+
+def run_level(llm: LLM, prompts: list[str], concurrency: int, params: SamplingParams) -> dict:
+    """Keep `concurrency` requests in flight until every prompt has run; latencies and outputs."""
+    queue = list(enumerate(prompts))
+    in_flight: dict[str, tuple[int, float]] = {}
+    latencies, outputs, tokens = [], [None] * len(prompts), 0
+    started = time.perf_counter()
+    while queue or in_flight:
+        while queue and len(in_flight) < concurrency:
+            index, prompt = queue.pop(0)
+            in_flight[llm.add_request(prompt, params)] = (index, time.perf_counter())
+        for output in llm.step():
+            if output.finished:
+                index, arrival = in_flight.pop(output.request_id)
+                latencies.append(time.perf_counter() - arrival)
+                outputs[index] = output.token_ids
+                tokens += len(output.token_ids)
+    seconds = time.perf_counter() - started
+    latencies.sort()
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+            "outputs": outputs}
+
+
+def plot(results: dict, levels: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, by_level in results.items():
+        throughput.plot(levels, [by_level[str(c)]["tokens_per_s"] for c in levels], marker="o", label=name)
+        latency.plot(levels, [by_level[str(c)]["p95"] for c in levels], marker="o", label=name)
+    for axis, label in ((throughput, "generated tokens / s"), (latency, "p95 request latency, s")):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.set_xlabel("concurrent requests")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    throughput.legend()
+    figure.suptitle("Qwen2.5-Coder 1.5B (int4) on this CPU: continuous batching")
+    figure.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(PLOT, dpi=110)
+
+
+def report(results: dict, levels: list[int], args: argparse.Namespace) -> str:
+    plain = results["plain"]
+    rows = []
+    for name, by_level in results.items():
+        for c in levels:
+            point = by_level[str(c)]
+            base = plain[str(c)]
+            equal = sum(a == b for a, b in zip(point["outputs"], base["outputs"]))
+            rows.append([name, c, f"{point['tokens_per_s']:.1f}", f"{point['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                         f"{point['p50']:.1f}", f"{point['p95']:.1f}", f"{equal}/{len(base['outputs'])}"])
+    return (f"{args.requests} requests per level (Spec-Bench 2 per category + HumanEval), greedy, up to "
+            f"{args.max_tokens} new tokens, default weights; c requests in flight at all times.\n\n"
+            + table(["config", "concurrency", "tokens/s", "vs plain", "p50 latency s", "p95 latency s",
+                     "outputs = plain"], rows)
+            + f"\n\n![throughput and p95 latency vs concurrency](bench/plots/{PLOT.name})\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--levels", default="1,2,4,8,16")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.levels.split(",")]
+    partial = RESULTS / "concurrency-partial.json"
+    results: dict = json.loads(partial.read_text()) if args.report_only else {}
+    if not args.report_only:
+        llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=max(levels), max_model_len=2048, progress=False)
+        prompts = [prompt for _, prompt in workload(llm, 2, 4)][:args.requests]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        for name in args.configs.split(","):
+            llm.set_speculative(CONFIGS[name], progress=False)
+            llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+            results[name] = {}
+            for c in levels:
+                results[name][str(c)] = run_level(llm, prompts, c, params)
+                point = results[name][str(c)]
+                print(f"{name} c={c}: {point['tokens_per_s']:.1f} tok/s, p95 {point['p95']:.1f} s", flush=True)
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(results))
+    plot(results, levels)
+    command = f"python bench/concurrency.py --levels {args.levels} --requests {args.requests} --max-tokens {args.max_tokens}"
+    body = report(results, levels, args)
+    write_section("concurrency", command, body, {n: {c: {k: v for k, v in p.items() if k != "outputs"}
+                                                      for c, p in r.items()} for n, r in results.items()})
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

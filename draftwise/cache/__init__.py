@@ -1,0 +1,1 @@
+"""Key/value cache: fixed-size blocks handed out to sequences, and the storage they index."""

@@ -1,0 +1,192 @@
+"""Continuous batching: each request's output in a batch equals its output alone (greedy, fp32),
+whatever the batch, the arrivals, the drafter or the preemptions; KV blocks are never leaked."""
+
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.adaptive.policy import FixedLength
+from draftwise.engine.engine import Drafter
+from draftwise.errors import PromptTooLongError
+from draftwise.model.runner import ModelRunner
+from draftwise.spec.proposer import Draft
+from tests.tiny_models import write_tiny_model
+
+WORDS = "def add return value print the quick brown fox for range list dict x y z".split()
+# Prompts of mixed lengths (1 to ~40 tokens), some repetitive (prompt lookup finds matches).
+PROMPTS = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[: i % 5]) * (1 + i % 3) for i in range(16)]
+PROMPTS[3] = "x"
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("random_draft"), "qwen2", seed=5, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(tiny_qwen):
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=1, progress=False)
+    return {prompt: llm.generate(prompt, GREEDY)[0].token_ids for prompt in PROMPTS}
+
+
+DRAFTERS = {
+    "plain": lambda target, draft: None,
+    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
+    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=3),
+    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=3),
+    "layer_skip": lambda target, draft: dict(method="layer_skip", num_layers=1, num_speculative_tokens=3),
+}
+
+
+def build(target, draft, drafter, adaptive=False, **kwargs):
+    spec = DRAFTERS[drafter](target, draft)
+    if spec is not None:
+        spec["adaptive"] = adaptive
+    return LLM(str(target), max_model_len=256, progress=False, speculative=spec, **kwargs)
+
+
+def run_checking_blocks(llm, prompts, params, arrivals=None, preempt_at=()):
+    """Add `prompts` (and, after the given step numbers, more), step to the end checking the block
+    manager after every step (and preempting the latest running request at the steps in
+    `preempt_at`); return token ids by prompt."""
+    arrivals = dict(arrivals or {})
+    ids = {llm.add_request(prompt, params): prompt for prompt in prompts}
+    pools = [llm.runner.blocks] + [drafter.proposer.runner.blocks for method, drafter in llm.engine.drafters.items()
+                                   if method == "draft"]
+    free_at_start = [pool.num_free_blocks for pool in pools]
+    outputs, step = {}, 0
+    while llm.has_unfinished_requests() or arrivals:
+        for prompt in arrivals.pop(step, []):
+            ids[llm.add_request(prompt, params)] = prompt
+        for output in llm.step():
+            if output.finished:
+                outputs[ids[output.request_id]] = output
+        for pool in pools:
+            pool.check_invariants()
+        if step in preempt_at and len(llm.engine.scheduler.running) > 1:
+            llm.engine.scheduler.preempt(llm.engine.scheduler.running[-1])
+        step += 1
+    assert [pool.num_free_blocks for pool in pools] == free_at_start  # nothing leaked
+    return {prompt: output.token_ids for prompt, output in outputs.items()}, outputs
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 8, 16])
+def test_batched_output_equals_solo_output(drafter, batch_size, tiny_qwen, random_draft, solo_outputs):
+    llm = build(tiny_qwen, random_draft, drafter, max_num_seqs=batch_size)
+    prompts = PROMPTS[:max(batch_size, 4)]
+    got = {p: o.token_ids for p, o in zip(prompts, llm.generate(prompts, GREEDY))}
+    assert got == {p: solo_outputs[p] for p in prompts}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_requests_arriving_while_others_run(drafter, tiny_qwen, random_draft, solo_outputs):
+    llm = build(tiny_qwen, random_draft, drafter, adaptive=True, max_num_seqs=6)
+    got, _ = run_checking_blocks(llm, PROMPTS[:4], GREEDY, arrivals={2: PROMPTS[4:7], 9: PROMPTS[7:12]})
+    assert got == {p: solo_outputs[p] for p in PROMPTS[:12]}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_forced_preemption_loses_nothing(drafter, tiny_qwen, random_draft, solo_outputs):
+    """A cache of 24 blocks of 8 tokens cannot hold 8 requests needing 78 blocks in all: requests
+    wait, running ones are preempted (when blocks run short, and forced at a few steps) and resume,
+    and every output is unchanged."""
+    bytes_per_token = ModelRunner.kv_bytes_per_token(LLM(str(tiny_qwen), max_model_len=256, progress=False).model)
+    llm = build(tiny_qwen, random_draft, drafter, max_num_seqs=8, block_size=8,
+                kv_cache_memory_bytes=24 * 8 * bytes_per_token)
+    assert llm.runner.blocks.num_blocks == 24
+    prompts = PROMPTS[:8]
+    got, outputs = run_checking_blocks(llm, prompts, GREEDY, preempt_at=(3, 6, 10, 15))
+    assert got == {p: solo_outputs[p] for p in prompts}
+    assert sum(o.metrics.num_preemptions for o in outputs.values()) >= 2
+
+
+def test_memory_budget_makes_requests_wait_then_complete(tiny_qwen, solo_outputs):
+    bytes_per_token = ModelRunner.kv_bytes_per_token(LLM(str(tiny_qwen), max_model_len=256, progress=False).model)
+    llm = LLM(str(tiny_qwen), max_model_len=256, progress=False, max_num_seqs=16, block_size=8,
+              kv_cache_memory_bytes=30 * 8 * bytes_per_token)
+    for prompt in PROMPTS:
+        llm.add_request(prompt, GREEDY)
+    most_running, done = 0, {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.prompt] = output.token_ids
+        most_running = max(most_running, len(llm.engine.scheduler.running))
+    assert 1 < most_running < len(PROMPTS)  # batched, but never all at once: the rest waited
+    assert done == {p: solo_outputs[p] for p in PROMPTS}
+
+
+def test_a_request_that_can_never_fit_is_refused_and_nothing_is_queued(tiny_qwen):
+    bytes_per_token = ModelRunner.kv_bytes_per_token(LLM(str(tiny_qwen), max_model_len=256, progress=False).model)
+    llm = LLM(str(tiny_qwen), max_model_len=256, progress=False, block_size=8,
+              kv_cache_memory_bytes=4 * 8 * bytes_per_token)
+    with pytest.raises(PromptTooLongError, match=r"needs \d+ KV blocks of 8 tokens, but the whole cache has 4"):
+        llm.generate(["short", "x " * 40], SamplingParams(temperature=0, max_tokens=10))
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate("short", SamplingParams(temperature=0, max_tokens=10))[0].token_ids) == 10
+
+
+class MixedProposer:
+    """Proposes the true greedy continuation for some requests (all accepted) and a wrong one for
+    the others (none accepted), so one batch holds rows accepting everything and nothing."""
+
+    def __init__(self, reference, vocab_size):
+        self.reference, self.vocab_size = reference, vocab_size
+
+    def propose(self, seqs, num_tokens):
+        drafts = []
+        for seq, k in zip(seqs, num_tokens):
+            truth = self.reference[seq.prompt][len(seq.output_ids):][:k]
+            good = len(seq.prompt) % 2 == 0
+            drafts.append(Draft(truth if good else [(t + 1) % self.vocab_size for t in truth]))
+        return drafts
+
+    def on_verified(self, seqs, num_accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+    def lag(self, seq):
+        return 0
+
+
+def test_rows_accepting_everything_and_nothing_share_a_batch(tiny_qwen, solo_outputs):
+    llm = LLM(str(tiny_qwen), max_model_len=256, progress=False, max_num_seqs=16)
+    llm.engine.add_drafter("mixed", Drafter(MixedProposer(solo_outputs, llm.tokenizer.vocab_size), FixedLength(4), 4))
+    llm.engine.default_method = "mixed"
+    got = {o.prompt: o for o in llm.generate(PROMPTS, GREEDY)}
+    assert {p: o.token_ids for p, o in got.items()} == {p: solo_outputs[p] for p in PROMPTS}
+    rates = {len(p) % 2 == 0: [] for p in PROMPTS}
+    for prompt, output in got.items():
+        spec = output.metrics.spec
+        if spec.num_draft_tokens:
+            rates[len(prompt) % 2 == 0].append(spec.num_accepted_tokens / spec.num_draft_tokens)
+    assert min(rates[True]) == 1.0 and max(rates[False]) == 0.0
+
+
+def test_rows_of_different_drafters_and_plain_rows_share_a_batch(tiny_qwen, random_draft, solo_outputs):
+    """Per-request speculation: the LLM's drafter, none, prompt lookup with k <= 2, and layer skip
+    (built on first use), all in one running batch."""
+    llm = build(tiny_qwen, random_draft, "draft=target", max_num_seqs=8)
+    choices = [None, {"enabled": False}, {"method": "ngram", "num_speculative_tokens": 2}, {"method": "layer_skip"}]
+    ids = {llm.add_request(prompt, GREEDY, speculative=choices[i % 4]): (prompt, i % 4)
+           for i, prompt in enumerate(PROMPTS[:8])}
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    assert {ids[r][0]: o.token_ids for r, o in outputs.items()} == {p: solo_outputs[p] for p in PROMPTS[:8]}
+    assert set(llm.engine.drafters) == {"draft", "ngram", "layer_skip"}
+    for request_id, output in outputs.items():
+        spec, kind = output.metrics.spec, ids[request_id][1]
+        if kind == 0:
+            assert spec.mean_acceptance_length > 1  # the target as its own draft
+        if kind == 1:
+            assert spec.num_drafts == 0 and spec.num_plain_steps == 0
+        if kind == 2:
+            assert len(spec.drafted_per_position) <= 2
+    with pytest.raises(Exception, match="needs a draft model"):
+        build(tiny_qwen, random_draft, "plain").add_request("hi", GREEDY, speculative={"method": "draft"})
