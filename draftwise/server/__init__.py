@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over the continuous-batching engine."""

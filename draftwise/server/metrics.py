@@ -1,0 +1,94 @@
+"""Prometheus metrics, named as vLLM names them (`draftwise:` for `vllm:`).
+
+Speculation counters carry the request's traffic `segment` (bounded: the first MAX_SEGMENTS
+distinct labels are kept, later ones count as "other") and the method, so operators can watch
+acceptance per kind of traffic and see when one stops paying.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from draftwise.engine.outputs import RequestOutput
+
+MAX_SEGMENTS = 32
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._segments: set[str] = set()
+        labels = ["model_name"]
+        spec_labels = ["model_name", "segment", "method"]
+        r = self.registry
+        self.requests = Counter("draftwise:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("draftwise:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("draftwise:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.ttft = Histogram("draftwise:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("draftwise:inter_token_latency_seconds", "Time between streamed tokens (per token).",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("draftwise:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("draftwise:num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge("draftwise:num_requests_waiting", "Requests queued.", labels, registry=r)
+        self.kv_blocks = Gauge("draftwise:kv_cache_blocks_in_use", "Target KV cache blocks in use.", labels, registry=r)
+        self.kv_usage = Gauge("draftwise:kv_cache_usage_perc", "Share of the target KV cache in use.", labels,
+                              registry=r)
+        self.drafts = Counter("draftwise:spec_decode_num_drafts", "Verification steps carrying a draft.",
+                              spec_labels, registry=r)
+        self.draft_tokens = Counter("draftwise:spec_decode_num_draft_tokens", "Drafted tokens.", spec_labels,
+                                    registry=r)
+        self.accepted_tokens = Counter("draftwise:spec_decode_num_accepted_tokens", "Accepted draft tokens.",
+                                       spec_labels, registry=r)
+        self.accepted_per_pos = Counter("draftwise:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the draft.",
+                                        spec_labels + ["position"], registry=r)
+        self.current_k = Gauge("draftwise:spec_decode_current_k", "Mean tokens drafted per row in the last step.",
+                               ["model_name", "method"], registry=r)
+
+    def segment(self, label: str | None) -> str:
+        if label is None:
+            return "default"
+        if label in self._segments or len(self._segments) < MAX_SEGMENTS:
+            self._segments.add(label)
+            return label
+        return "other"
+
+    def observe_step(self, stats: dict) -> None:
+        """Engine state after a step (from `LLM.engine_stats`)."""
+        m = self.model_name
+        self.running.labels(m).set(stats["running"])
+        self.waiting.labels(m).set(stats["waiting"])
+        self.kv_blocks.labels(m).set(stats["kv_blocks_in_use"])
+        self.kv_usage.labels(m).set(stats["kv_blocks_in_use"] / stats["kv_blocks"])
+        for method, k in stats["current_k"].items():
+            self.current_k.labels(m, method).set(k)
+
+    def observe_tokens(self, num_tokens: int, seconds_since_previous: float | None) -> None:
+        if num_tokens and seconds_since_previous is not None:
+            for _ in range(num_tokens):
+                self.itl.labels(self.model_name).observe(seconds_since_previous / num_tokens)
+
+    def observe_finished(self, output: RequestOutput, segment: str, method: str | None) -> None:
+        m, metrics = self.model_name, output.metrics
+        self.requests.labels(m, output.finish_reason or "abort").inc()
+        self.prompt_tokens.labels(m).inc(metrics.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(metrics.num_generated_tokens)
+        if metrics.time_to_first_token is not None:
+            self.ttft.labels(m).observe(metrics.time_to_first_token)
+        self.e2e.labels(m).observe(metrics.seconds)
+        spec = metrics.spec
+        if method is None or spec is None:
+            return
+        labels = (m, segment, method)
+        self.drafts.labels(*labels).inc(spec.num_drafts)
+        self.draft_tokens.labels(*labels).inc(spec.num_draft_tokens)
+        self.accepted_tokens.labels(*labels).inc(spec.num_accepted_tokens)
+        for position, count in enumerate(spec.accepted_per_position):
+            self.accepted_per_pos.labels(*labels, str(position)).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible server on loopback, driven by the official `openai` client (tiny model)."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from draftwise import LLM, SamplingParams  # noqa: E402
+from draftwise.server.app import build_app  # noqa: E402
+from draftwise.server.async_engine import AsyncEngine  # noqa: E402
+
+MODEL = "tiny"
+
+
+class LiveServer:
+    """uvicorn serving the app on a free loopback port, in a thread."""
+
+    def __init__(self, llm, api_key=None):
+        self.engine = AsyncEngine(llm)
+        app = build_app(self.engine, MODEL, api_key=api_key)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key="unused"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def stop(self):
+        self.engine.shutdown(grace_seconds=2)
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def served_llm(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
+               speculative={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen):
+    """The server's LLM: only its engine thread may run it (tests read its stats)."""
+    return served_llm(tiny_qwen)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen):
+    """Plain decoding, in-process: what every server response must equal."""
+    return LLM(str(tiny_qwen), max_model_len=256, progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    live = LiveServer(llm)
+    yield live
+    live.stop()
+
+
+GREEDY = dict(temperature=0, max_tokens=24)
+
+
+def test_completion_chat_and_models(server, reference):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    completion = client.completions.create(model=MODEL, prompt="def add(a, b):", **GREEDY)
+    expected = reference.generate("def add(a, b):", SamplingParams(**GREEDY))[0]
+    assert completion.choices[0].text == expected.text
+    assert completion.choices[0].finish_reason == expected.finish_reason
+    assert completion.usage.completion_tokens == len(expected.token_ids)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}], **GREEDY)
+    expected_chat = reference.chat([{"role": "user", "content": "hello there"}], SamplingParams(**GREEDY))[0]
+    assert chat.choices[0].message.content == expected_chat.text
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_streaming_equals_non_streaming_equals_generate(server, reference):
+    client = server.client()
+    prompt = "for i in range(10):\n    print("
+    expected = reference.generate(prompt, SamplingParams(**GREEDY))[0].text
+    whole = client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    chat_chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    chat_text = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+    assert chat_text == reference.chat([{"role": "user", "content": prompt}], SamplingParams(**GREEDY))[0].text
+    assert chat_chunks[-1].usage.completion_tokens > 0
+
+
+def test_per_request_speculation_and_its_usage(server):
+    client = server.client()
+    prompt = "x = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np."
+    on = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    off = client.completions.create(model=MODEL, prompt=prompt, extra_body={"speculative": {"enabled": False}},
+                                    **GREEDY)
+    fixed = client.completions.create(model=MODEL, prompt=prompt, **GREEDY,
+                                      extra_body={"speculative": {"method": "ngram", "num_speculative_tokens": 2}})
+    assert on.choices[0].text == off.choices[0].text == fixed.choices[0].text
+    assert on.usage.speculation["num_draft_tokens"] > 0
+    assert not getattr(off.usage, "speculation", None)
+    assert fixed.usage.speculation["num_draft_tokens"] > 0
+
+
+def test_api_key_guards_everything_but_health(tiny_qwen):
+    live = LiveServer(served_llm(tiny_qwen), api_key="sesame")
+    try:
+        assert live.client("sesame").completions.create(model=MODEL, prompt="hi", **GREEDY).choices
+        with pytest.raises(openai.AuthenticationError):
+            live.client("wrong").completions.create(model=MODEL, prompt="hi", **GREEDY)
+        assert httpx.get(live.url + "/health").status_code == 200
+        assert httpx.get(live.url + "/metrics").status_code == 401
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "context"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "word " * 400}, 400, "context"),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, "gpt-9"),
+    ({"model": MODEL, "prompt": "hi", "speculative": {"method": "magic"}}, 400, "speculative"),
+    ({"model": MODEL, "prompt": "hi", "segment": "a b"}, 400, "segment"),
+    ({"model": MODEL, "messages": []}, 400, "prompt"),
+])
+def test_bad_input_is_a_4xx_with_an_openai_error_body(server, body, status, message):
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+
+
+def test_malformed_json_and_bad_chat_bodies(server):
+    response = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    response = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, timeout=30)
+    assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(server, llm):
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        stats = llm.engine_stats()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_in_use"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
+
+
+def test_metrics_count_speculation_per_segment(server):
+    client = server.client()
+    prompt = "x = 1\nx = 1\nx = 1\nx ="
+    client.completions.create(model=MODEL, prompt=prompt, extra_body={"segment": "code-completion"}, **GREEDY)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    assert "draftwise:request_success_total" in text
+    assert 'draftwise:spec_decode_num_draft_tokens_total{method="ngram",model_name="tiny",segment="code-completion"}' in text
+    assert "draftwise:time_to_first_token_seconds_bucket" in text and "draftwise:kv_cache_usage_perc" in text
+
+
+def test_shutdown_ends_in_flight_requests_cleanly(tiny_qwen):
+    llm = served_llm(tiny_qwen)
+    live = LiveServer(llm)
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    received = []
+
+    def read():
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+            received.extend(response.iter_lines())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)
+    live.engine.shutdown(grace_seconds=0)
+    reader.join(timeout=30)
+    live.server.should_exit = True
+    live.thread.join(timeout=10)
+    assert "data: [DONE]" in received and any("shut down" in line for line in received)
+    assert llm.engine_stats()["running"] == 0 and llm.engine_stats()["kv_blocks_in_use"] == 0
