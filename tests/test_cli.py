@@ -34,3 +34,37 @@ def test_models_lists_the_defaults():
     assert result.returncode == 0
     assert "qwen2.5-coder-1.5b" in result.stdout and "[default target]" in result.stdout
     assert "qwen2.5-coder-0.5b" in result.stdout and "[default draft]" in result.stdout
+
+
+def test_serve_answers_the_openai_client_and_shuts_down_on_ctrl_c(tiny_qwen):
+    import signal
+    import socket
+    import time
+
+    import httpx
+    import openai
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "draftwise", "serve", "--model", str(tiny_qwen), "--method",
+                               "ngram", "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "256"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 0 and "Traceback" not in stderr, stderr
