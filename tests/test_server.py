@@ -200,3 +200,33 @@ def test_shutdown_ends_in_flight_requests_cleanly(tiny_qwen):
     live.thread.join(timeout=10)
     assert "data: [DONE]" in received and any("shut down" in line for line in received)
     assert llm.engine_stats()["running"] == 0 and llm.engine_stats()["kv_blocks_in_use"] == 0
+
+
+def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference):
+    """Bounded load: 48 streaming clients at once on loopback (the server runs 4 at a time, the
+    rest queue); every stream completes, ends with [DONE], and equals plain decoding."""
+    import asyncio
+
+    prompts = [f"def f{i}(x):" + " return x" * (i % 5) for i in range(48)]
+    params = dict(temperature=0, max_tokens=12)
+    expected = [o.text for o in reference.generate(prompts, SamplingParams(**params))]
+
+    async def one(client, prompt):
+        body = {"model": MODEL, "prompt": prompt, "stream": True, **params}
+        text, done = "", False
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert done
+        return text
+
+    async def all_clients():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_clients()) == expected
