@@ -181,20 +181,22 @@ def test_metrics_count_speculation_per_segment(server):
 
 
 def test_shutdown_ends_in_flight_requests_cleanly(tiny_qwen):
-    llm = served_llm(tiny_qwen)
+    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=4, progress=False)  # the tiny model's limit
     live = LiveServer(llm)
-    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 200, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 480, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    received = []
+    received, streaming = [], threading.Event()
 
     def read():
         with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
-            received.extend(response.iter_lines())
+            for line in response.iter_lines():
+                received.append(line)
+                streaming.set()
 
     reader = threading.Thread(target=read)
     reader.start()
-    time.sleep(0.5)
-    live.engine.shutdown(grace_seconds=0)
+    assert streaming.wait(timeout=30)
+    live.engine.shutdown(grace_seconds=0)  # the request is in flight: it must end, cleanly
     reader.join(timeout=30)
     live.server.should_exit = True
     live.thread.join(timeout=10)
