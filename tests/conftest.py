@@ -27,6 +27,12 @@ def tiny_qwen(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def random_draft(tmp_path_factory) -> Path:
+    """Another random model with the same tokenizer: it agrees with tiny_qwen almost never."""
+    return write_tiny_model(tmp_path_factory.mktemp("random_draft"), "qwen2", seed=5, num_layers=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1, tie=True)
 

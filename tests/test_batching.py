@@ -9,18 +9,12 @@ from draftwise.engine.engine import Drafter
 from draftwise.errors import PromptTooLongError
 from draftwise.model.runner import ModelRunner
 from draftwise.spec.proposer import Draft
-from tests.tiny_models import write_tiny_model
 
 WORDS = "def add return value print the quick brown fox for range list dict x y z".split()
 # Prompts of mixed lengths (1 to ~40 tokens), some repetitive (prompt lookup finds matches).
 PROMPTS = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[: i % 5]) * (1 + i % 3) for i in range(16)]
 PROMPTS[3] = "x"
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
-
-
-@pytest.fixture(scope="module")
-def random_draft(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("random_draft"), "qwen2", seed=5, num_layers=1)
 
 
 @pytest.fixture(scope="module")

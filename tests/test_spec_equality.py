@@ -12,12 +12,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def random_draft(tmp_path_factory):
-    """Another random model with the same tokenizer: it agrees with the target almost never."""
-    return write_tiny_model(tmp_path_factory.mktemp("random_draft"), "qwen2", seed=5, num_layers=1)
-
-
-@pytest.fixture(scope="module")
 def plain(tiny_qwen):
     return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False)
 
