@@ -11,7 +11,32 @@ from draftwise.errors import InvalidParameterError
 from draftwise.loading.hf_folder import load_model
 from draftwise.model.runner import ModelRunner
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
+from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.q4k import BLOCK_BYTES, q4k_to_groups
+
+
+def test_native_kernels_build_wherever_the_machine_supports_them():
+    """A broken build must fail here, not quietly fall back (the other native tests would skip)."""
+    from draftwise.quant.native import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"native low-bit kernels not expected here: {reason}")
+    assert native_kernels() is not None
+
+
+@pytest.fixture(params=["native", "aten"])
+def native(request) -> bool:
+    """Both kernel paths of the quantized layers: the native one where this machine can build it."""
+    if request.param == "native" and native_kernels() is None:
+        pytest.skip("native low-bit kernels unavailable here")
+    return request.param == "native"
+
+
+def make_layer(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, native: bool):
+    if kind == "int4":
+        return Int4Linear(*quantize_int4_groups(weight), bias, native=native)
+    return Int8Linear(weight, bias, native=native)
 
 
 def random_q4k_bytes(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -34,19 +59,20 @@ def test_q4k_groups_reproduce_gguf_dequantization_exactly():
     np.testing.assert_allclose(rebuilt, expected, rtol=1e-6, atol=1e-7)
 
 
-def test_int4_layer_holds_the_q4k_weights_up_to_bf16_scales():
+def test_int4_layer_holds_the_q4k_weights_up_to_bf16_scales(native):
     raw = random_q4k_bytes(64, 256, seed=1)
     expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(64, 256))
-    layer = Int4Linear(*(torch.from_numpy(a) for a in q4k_to_groups(raw, 64, 256)), None)
+    layer = Int4Linear(*(torch.from_numpy(a) for a in q4k_to_groups(raw, 64, 256)), None, native=native)
+    assert (layer.kernels is not None) == native
     step = expected.abs().max()
     assert (layer.dequantized() - expected).abs().max() < 0.01 * step  # bf16 scale/zero rounding only
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quantized_layer_equals_its_dequantized_reference(kind):
+def test_quantized_layer_equals_its_dequantized_reference(kind, native):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 128) * 0.05, torch.randn(96)
-    layer = Int4Linear(*quantize_int4_groups(weight), bias) if kind == "int4" else Int8Linear(weight, bias)
+    layer = make_layer(kind, weight, bias, native)
     x = torch.randn(5, 3, 128)
     expected = x @ layer.dequantized().t() + bias
     got = layer(x)
@@ -63,13 +89,13 @@ def test_quantized_layer_equals_its_dequantized_reference(kind):
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_quantized_layers_are_batch_invariant(kind):
+def test_quantized_layers_are_batch_invariant(kind, native):
     torch.manual_seed(1)
-    weight = torch.randn(160, 64)
-    layer = Int4Linear(*quantize_int4_groups(weight), None) if kind == "int4" else Int8Linear(weight, None)
-    x = torch.randn(17, 64)
-    alone = [layer(x[i:i + 1]) for i in range(17)]
-    for rows in (2, 5, 9, 17):
+    weight = torch.randn(161 if native else 160, 64)  # odd: the native kernel works on channel pairs
+    layer = make_layer(kind, weight, None, native)
+    x = torch.randn(70, 64)  # beyond one 8-row tile and one 64-row block of the native kernel
+    alone = [layer(x[i:i + 1]) for i in range(70)]
+    for rows in (2, 5, 9, 17, 70):
         together = layer(x[:rows])
         assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows))
 
@@ -169,3 +195,17 @@ def test_packed_cache_gives_the_same_model_and_survives_damage(mixed_q4k_model, 
     rebuilt = load_model(mixed_q4k_model, quantization=quantization)  # ignored, rewritten
     assert torch.equal(logits(first), logits(rebuilt))
     assert load_model(mixed_q4k_model, quantization=quantization).quantization == first.quantization
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_native_kernel_is_exact_up_to_float32_accumulation(kind):
+    """bf16 x bf16 products are exact in float32, so against a float64 product of the same bf16
+    inputs only the summation order differs: a layout or indexing bug shows as a large error."""
+    if native_kernels() is None:
+        pytest.skip("native low-bit kernels unavailable here")
+    torch.manual_seed(2)
+    weight = torch.randn(66, 256) * 0.05
+    layer = make_layer(kind, weight, None, native=True)
+    x = torch.randn(11, 256).to(torch.bfloat16)
+    expected = x.double() @ layer.dequantized().double().t()
+    assert (layer(x.float()).double() - expected).abs().max() < 1e-5 * expected.abs().max()

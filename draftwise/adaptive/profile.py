@@ -6,7 +6,7 @@ timed through its own `propose` (whatever it is: a model, a lookup, the target's
 for k = 1..K on the same context, rolled back after each call exactly as after a rejected
 draft. Each point is the fastest of a few round-robin repetitions after a warm-up. It takes a few seconds for
 the default pair on a 2-core CPU, once: the result is cached under the draftwise cache folder,
-keyed by the models, quantization, device, dtype, thread count and PyTorch version.
+keyed by the models, quantization, device, dtype, thread count, PyTorch version and low-bit kernel build.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import torch
 from draftwise.adaptive.cost_model import CostModel
 from draftwise.engine.sequence import Sequence
 from draftwise.loading.cache_dir import cache_root
+from draftwise.quant.native import kernels as native_kernels
+from draftwise.quant.native import source_digest
 from draftwise.model.runner import ModelRunner
 from draftwise.sampling.params import SamplingParams
 from draftwise.spec.proposer import Proposer
@@ -51,8 +53,9 @@ def profile_path(key: str) -> Path:
 
 
 def configuration_key(*parts: object) -> str:
+    kernels = f"native-{source_digest()}" if native_kernels() is not None else "aten"
     return " | ".join(str(part) for part in (*parts, f"threads={torch.get_num_threads()}",
-                                             f"torch={torch.__version__}"))
+                                             f"torch={torch.__version__}", f"low-bit kernels={kernels}"))
 
 
 def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,

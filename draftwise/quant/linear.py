@@ -1,13 +1,18 @@
-"""Weight-only quantized linear layers on PyTorch's packed CPU kernels.
+"""Weight-only quantized linear layers: int4 (group-wise scale and minimum) and int8 (per channel).
 
-int4: groups of 32 input weights share a scale and a zero point (asymmetric), packed for
-`_weight_int4pack_mm_for_cpu`; weight = (q - 8) * scale + zero. int8: one scale per output
-channel (symmetric), for `_weight_int8pack_mm`.
+int4: groups of 32 input weights share a scale and a minimum (asymmetric), weight = scale * q - minimum.
+int8: one scale per output channel (symmetric), weight = scale * q.
 
-Both kernels take bf16 activations and scales: measured on this project's AVX-512 machine for an
-8960x1536 layer, one row costs 0.38 ms in bf16 but 11.8 ms (int4) / 5.7 ms (int8) with fp32
-activations (a generic path), against 1.48 ms for fp32 weights through oneDNN. So activations are
-rounded to bf16 on the way in and the output returns in the caller's dtype.
+Two kernel paths, chosen once per layer at construction:
+  - native (quant/native.py, AVX-512 BF16): every weight dequantized once for all rows, so a
+    forward over k+1 rows costs little more than over one; int4 weights as 16-byte nibble groups
+    with fp16 scales and minimums;
+  - PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) everywhere
+    else; int4 packed for them with bf16 scales and zeros, weight = (q - 8) * scale + zero.
+Both take bf16 activations: measured on this project's AVX-512 machine for an 8960x1536 layer,
+PyTorch's kernels cost 0.38 ms per row in bf16 but 11.8 ms (int4) / 5.7 ms (int8) with fp32
+activations (a generic path). So activations are rounded to bf16 on the way in and the output
+returns in the caller's dtype. Both paths compute every row the same way whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -15,37 +20,60 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftwise.quant.native import kernels as native_kernels
+
 INT4_GROUP = 32
+NATIVE_K_MULTIPLE = 64  # the native kernels take input features in pairs of groups
 KERNEL_DTYPE = torch.bfloat16  # activations and scales inside the kernels
 
 
 class Int4Linear(nn.Module):
     def __init__(self, quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
-                 bias: torch.Tensor | None) -> None:
-        """quants uint8 [N, K] in 0..15; scales, minimums float32 [N, K/32]; weight = scale * q - minimum."""
+                 bias: torch.Tensor | None, *, native: bool = True) -> None:
+        """quants uint8 [N, K] in 0..15; scales, minimums float32 [N, K/32]; weight = scale * q - minimum.
+        native=False keeps PyTorch's kernel even where the native one is available."""
         super().__init__()
         self.out_features, self.in_features = quants.shape
+        self.kernels = native_kernels() if native and self.in_features % NATIVE_K_MULTIPLE == 0 else None
+        self.bias = bias
+        if self.kernels is not None:
+            self.nibbles, self.scale_min = pack_for_native(quants, scales, minimums)
+            return
         self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quants.to(torch.int32), 2)
         zeros = 8 * scales - minimums  # (q - 8) * scale + zero == scale * q - minimum
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()  # [K/32, N, 2]
-        self.bias = bias
 
     @classmethod
-    def from_packed(cls, packed_weight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                    bias: torch.Tensor | None) -> "Int4Linear":
+    def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int4Linear":
         """Rebuild a layer from `packed_state()` (the packed-weight cache), without repacking."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = scales_and_zeros.shape[0] * INT4_GROUP, scales_and_zeros.shape[1]
-        layer.packed_weight, layer.scales_and_zeros, layer.bias = packed_weight, scales_and_zeros, bias
+        layer.bias = bias
+        if "nibbles" in state:
+            layer.kernels = native_kernels()
+            if layer.kernels is None:
+                raise ValueError("packed for the native kernels, which are not available")
+            layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
+            layer.out_features, layer.in_features = (int(v) for v in state["shape"])
+            return layer
+        layer.kernels = None
+        layer.packed_weight, layer.scales_and_zeros = state["packed_weight"], state["scales_and_zeros"]
+        layer.in_features = layer.scales_and_zeros.shape[0] * INT4_GROUP
+        layer.out_features = layer.scales_and_zeros.shape[1]
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:
+        if self.kernels is not None:
+            shape = torch.tensor([self.out_features, self.in_features])
+            return {"nibbles": self.nibbles, "scale_min": self.scale_min, "shape": shape}
         return {"packed_weight": self.packed_weight, "scales_and_zeros": self.scales_and_zeros}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, INT4_GROUP, self.scales_and_zeros)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
+        if self.kernels is not None:
+            out = self.kernels.int4_matmul(flat, self.nibbles, self.scale_min, self.out_features)  # [M, N] float32
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, INT4_GROUP, self.scales_and_zeros)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -53,43 +81,86 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer computes with (for tests)."""
+        if self.kernels is not None:
+            quants, scales, minimums = unpack_from_native(self.nibbles, self.scale_min, self.out_features, self.in_features)
+            groups = quants.view(self.out_features, -1, INT4_GROUP).double()  # [N, K/32, 32]
+            # the kernel's fused multiply-subtract rounds once to float32, then to bf16
+            weight = (scales.double()[..., None] * groups - minimums.double()[..., None]).float()
+            return weight.to(KERNEL_DTYPE).float().view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float().contiguous()
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, native: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         weight = weight.float()
-        # The kernel takes bf16 scales: round each scale up to bf16 first and quantize against that,
+        # PyTorch's kernel takes bf16 scales: round each scale up to bf16 first and quantize against that,
         # so the error stays within half a step (rounding the scale afterwards would add up to 127x its error).
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12) * (1 + 2 ** -8)  # [N]
         self.scales = scales.to(KERNEL_DTYPE)
         self.weight_int8 = torch.round(weight / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.bias = bias
+        self._use_kernels(native)
+
+    def _use_kernels(self, native: bool) -> None:
+        native_ok = native and self.in_features % NATIVE_K_MULTIPLE == 0
+        self.kernels = native_kernels() if native_ok else None
+        self.scales_float = self.scales.float()  # [N], what the native kernel takes
 
     @classmethod
-    def from_packed(cls, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
+    def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int8Linear":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.out_features, layer.in_features = weight_int8.shape
-        layer.weight_int8, layer.scales, layer.bias = weight_int8, scales, bias
+        layer.weight_int8, layer.scales, layer.bias = state["weight_int8"], state["scales"], bias
+        layer.out_features, layer.in_features = layer.weight_int8.shape
+        layer._use_kernels(True)
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:
         return {"weight_int8": self.weight_int8, "scales": self.scales}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales).to(x.dtype)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
+        if self.kernels is not None:
+            out = self.kernels.int8_matmul(flat, self.weight_int8, self.scales_float)  # [M, N] float32
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_int8.float() * self.scales.float()[:, None]
+
+
+def pack_for_native(quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quants uint8 [N, K], scales and minimums [N, K/32] -> the native kernel's int4 layout:
+    nibbles uint8 [N/4, K/64, 4, 32] and scale_min fp16 [N/4, K/64, 4, 4] (see lowbit_matmul.cpp).
+    Output channels are padded to a multiple of 4 with zero weights."""
+    n, k = quants.shape
+    pad = -n % 4
+    quants = torch.nn.functional.pad(quants.to(torch.uint8), (0, 0, 0, pad))  # [N4, K]
+    scales = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))  # [N4, K/32]
+    minimums = torch.nn.functional.pad(minimums.float(), (0, 0, 0, pad))
+    pairs = quants.view(-1, 4, k // 64, 2, INT4_GROUP)  # [N/4, 4, K/64, 2, 32]
+    nibbles = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(1, 2).contiguous()  # [N/4, K/64, 4, 32]
+    scale_min = torch.stack([scales.view(-1, 4, k // 64, 2), minimums.view(-1, 4, k // 64, 2)], dim=3)  # [N/4, 4, K/64, 2, 2]
+    scale_min = scale_min.transpose(1, 2).reshape(-1, k // 64, 4, 4).half().contiguous()  # [N/4, K/64, 4, 4]
+    return nibbles, scale_min
+
+
+def unpack_from_native(nibbles: torch.Tensor, scale_min: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of `pack_for_native`: quants uint8 [N, K], scales and minimums float32 [N, K/32]."""
+    halves = nibbles.transpose(1, 2)  # [N/4, 4, K/64, 32]
+    quants = torch.stack([halves & 0x0F, halves >> 4], dim=3).reshape(-1, k)[:n]  # [N, K]
+    sm = scale_min.float().view(-1, k // 64, 4, 2, 2).transpose(1, 2)  # [N/4, 4, K/64, 2 (scale, min), 2 (a, b)]
+    scales = sm[:, :, :, 0].reshape(-1, k // INT4_GROUP)[:n]
+    minimums = sm[:, :, :, 1].reshape(-1, k // INT4_GROUP)[:n]
+    return quants, scales, minimums
 
 
 def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

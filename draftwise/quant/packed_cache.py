@@ -5,8 +5,9 @@ and reading its fp32 weights only to throw most of them away costs as much again
 with a quantization mode writes the packed layers next to the converted weights; later loads read
 them (about 1 GB for the 1.5B in int4) and take only the norms and the embedding from the fp32 files.
 
-The packed int4 layout belongs to the PyTorch build and the CPU's kernel capability, so both are
-part of the file name; a cache written elsewhere is simply not found. A damaged cache file is
+The packed int4 layout belongs to the kernel path (native or PyTorch's), the PyTorch build and the
+CPU's kernel capability, so all three are part of the file name; a cache written elsewhere is simply
+not found. A damaged cache file is
 ignored and rewritten.
 """
 
@@ -23,14 +24,17 @@ from torch import nn
 
 from draftwise.quant.apply import QuantizationReport, linear_sources
 from draftwise.quant.linear import Int4Linear, Int8Linear
+from draftwise.quant.native import kernels as native_kernels
+from draftwise.quant.native import source_digest
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def cache_path(folder: Path, mode: str) -> Path:
     capability = torch.backends.cpu.get_cpu_capability().lower()
     version = torch.__version__.replace("+", "-")
-    return folder / f"packed-{mode}-torch{version}-{capability}-f{CACHE_FORMAT}.safetensors"
+    path = f"native{source_digest()}" if native_kernels() is not None else "aten"
+    return folder / f"packed-{mode}-{path}-torch{version}-{capability}-f{CACHE_FORMAT}.safetensors"
 
 
 def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> None:
@@ -65,13 +69,13 @@ def load_packed(path: Path, model: nn.Module) -> QuantizationReport | None:
                 # A fresh copy: the kernels need their own aligned memory, not a view into the file.
                 return handle.get_tensor(key).clone()
 
+            keys = set(handle.keys())
             for name in linear_sources(model.config):
-                bias = tensor(f"{name}.bias") if f"{name}.bias" in handle.keys() else None
-                if name in report.int8:
-                    layers[name] = Int8Linear.from_packed(tensor(f"{name}.weight_int8"), tensor(f"{name}.scales"), bias)
-                else:
-                    layers[name] = Int4Linear.from_packed(
-                        tensor(f"{name}.packed_weight"), tensor(f"{name}.scales_and_zeros"), bias)
+                state = {key.removeprefix(f"{name}."): tensor(key) for key in keys
+                         if key.startswith(f"{name}.") and "." not in key.removeprefix(f"{name}.")}
+                bias = state.pop("bias", None)
+                kind = Int8Linear if name in report.int8 else Int4Linear
+                layers[name] = kind.from_packed(state, bias)
     except (SafetensorError, OSError, KeyError, ValueError, TypeError):
         return None
     for name, layer in layers.items():
