@@ -36,12 +36,13 @@ def humaneval_prompts(count: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in handle][:count]
 
 
-def forward_costs(runner: ModelRunner, context: int = 256, repeats: int = 5) -> dict[int, float]:
+def forward_costs(runner: ModelRunner, context: int = 256, repeats: int = 5,
+                  sizes: tuple[int, ...] = SIZES) -> dict[int, float]:
     """Median seconds of one forward over n new tokens appended to a `context`-token row."""
     row = runner.allocate()
     runner.forward([row], [[100 + i % 1000 for i in range(context)]], [1])
     costs = {}
-    for n in SIZES:
+    for n in sizes:
         samples = []
         for attempt in range(repeats + 1):
             start = time.perf_counter()

@@ -3,8 +3,9 @@
     python bench/quantization.py [--prompts 4] [--max-tokens 64] [--eval-tokens 1536]
 
 One run: load time, plain greedy decoding tokens/s (batch 1), the cost of a forward over n new
-tokens (n = 1, 2, 4, 8, 16), and quality against the fp32 model: top-1 agreement and perplexity
+tokens (n = 1..6, 8, 16), and quality against the fp32 model: top-1 agreement and perplexity
 on a text sample we ship (draftwise's own source files), teacher-forced in 512-token windows.
+int8 and int4 run twice: on draftwise's native low-bit kernels and on PyTorch's packed kernels.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.plain_decoding import SIZES, forward_costs, humaneval_prompts  # noqa: E402
+from bench.plain_decoding import forward_costs, humaneval_prompts  # noqa: E402
 from bench.report import table, write_section  # noqa: E402
 from draftwise import LLM, SamplingParams  # noqa: E402
+from draftwise.quant import native  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_FILES = ["draftwise/spec/verify.py", "draftwise/engine/engine.py", "draftwise/model/attention.py",
                 "README.md"]
-FORMATS = ["none", "int8", "int4"]
+FORMATS = [("none", True), ("int8", True), ("int4", True), ("int8", False), ("int4", False)]  # (weights, native)
+SIZES = (1, 2, 3, 4, 5, 6, 8, 16)
 MODELS = ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]
 WINDOW = 512
 
@@ -60,14 +63,16 @@ def main() -> None:
     speed_rows, cost_rows, quality_rows, data = [], [], [], {}
     for name in MODELS:
         reference_logprobs = None
-        for fmt in FORMATS:
+        for fmt, use_native in FORMATS:
+            native.set_enabled(use_native)
+            label = fmt if fmt == "none" or use_native else f"{fmt} (PyTorch kernels)"
             start = time.perf_counter()
             llm = LLM(name, max_num_seqs=1, progress=False, quantization=fmt)
             load_seconds = time.perf_counter() - start
             llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
             outputs = [llm.generate(prompt, params)[0] for prompt in prompts]
             decode = statistics.mean(o.metrics.decode_tokens_per_second for o in outputs)
-            costs = forward_costs(llm.runner)
+            costs = forward_costs(llm.runner, sizes=SIZES)
             ids = sample_ids(llm, args.eval_tokens)
             logprobs = teacher_forced(llm, ids)
             targets = torch.tensor(ids[1:])
@@ -76,10 +81,10 @@ def main() -> None:
                 reference_logprobs = logprobs
             agreement = (logprobs.argmax(-1) == reference_logprobs.argmax(-1)).float().mean().item()
             report = llm.model.quantization.summary() if fmt != "none" else "fp32, oneDNN-packed"
-            speed_rows.append([name, fmt, f"{load_seconds:.1f}", f"{decode:.2f}", report])
-            cost_rows.append([name, fmt, f"{costs[1] * 1000:.0f}"] + [f"{costs[n] / costs[1]:.2f}" for n in SIZES])
-            quality_rows.append([name, fmt, f"{math.exp(nll):.3f}", f"{agreement:.1%}", len(targets)])
-            data[f"{name}/{fmt}"] = {"load_seconds": load_seconds, "decode_tokens_per_s": decode,
+            speed_rows.append([name, label, f"{load_seconds:.1f}", f"{decode:.2f}", report])
+            cost_rows.append([name, label, f"{costs[1] * 1000:.0f}"] + [f"{costs[n] / costs[1]:.2f}" for n in SIZES])
+            quality_rows.append([name, label, f"{math.exp(nll):.3f}", f"{agreement:.1%}", len(targets)])
+            data[f"{name}/{label}"] = {"load_seconds": load_seconds, "decode_tokens_per_s": decode,
                                      "forward_seconds": costs, "perplexity": math.exp(nll),
                                      "top1_agreement_with_fp32": agreement, "quantization": report}
             print(speed_rows[-1], cost_rows[-1], quality_rows[-1], flush=True)
@@ -87,7 +92,8 @@ def main() -> None:
 
     body = (
         f"Greedy, batch 1, {len(prompts)} HumanEval prompts x {args.max_tokens} tokens (EOS ignored); "
-        "`none` = fp32 weights through oneDNN. llama.cpp on this machine decodes the 1.5B at about "
+        "`none` = fp32 weights through oneDNN; int8/int4 on draftwise's native kernels, then on PyTorch's packed "
+        "kernels (load times include building each path's packed-weight cache if absent). llama.cpp on this machine decodes the 1.5B at about "
         "13 tokens/s (../shared/MODELS.md).\n\n"
         + table(["model", "weights", "load s", "decode tok/s", "layers"], speed_rows)
         + "\n\nForward over n new tokens (256-token context), relative to n = 1 of the same format:\n\n"

@@ -77,3 +77,9 @@ def kernels():
     except Exception as error:  # a failed build must not stop the engine: PyTorch's kernels remain
         log.warning("native low-bit kernels failed to build, using PyTorch's: %s", str(error).splitlines()[0])
         return None
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the native path on or off for layers built from now on (benchmarks compare both)."""
+    os.environ["DRAFTWISE_NATIVE_KERNELS"] = "1" if enabled else "0"
+    kernels.cache_clear()
