@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.adaptive import workload  # noqa: E402
 from bench.report import RESULTS, table, write_section  # noqa: E402
 from draftwise import LLM, SamplingParams  # noqa: E402
+from draftwise.planner.measure import run_closed_loop  # noqa: E402
 
 PLOT = Path(__file__).resolve().parent / "plots" / "concurrency.png"
 CONFIGS = {
@@ -35,50 +34,13 @@ CONFIGS = {
 }
 
 
-def run_level(llm: LLM, prompts: list[str], concurrency: int, params: SamplingParams) -> dict:
-    """Keep `concurrency` requests in flight until every prompt has run; latencies and outputs."""
-    queue = list(enumerate(prompts))
-    in_flight: dict[str, tuple[int, float]] = {}
-    latencies, outputs, tokens = [], [None] * len(prompts), 0
-    started = time.perf_counter()
-    while queue or in_flight:
-        while queue and len(in_flight) < concurrency:
-            index, prompt = queue.pop(0)
-            in_flight[llm.add_request(prompt, params)] = (index, time.perf_counter())
-        for output in llm.step():
-            if output.finished:
-                index, arrival = in_flight.pop(output.request_id)
-                latencies.append(time.perf_counter() - arrival)
-                outputs[index] = output.token_ids
-                tokens += len(output.token_ids)
-    seconds = time.perf_counter() - started
-    latencies.sort()
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "p50": statistics.median(latencies), "p95": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
-            "outputs": outputs}
-
-
 def plot(results: dict, levels: list[int]) -> None:
-    import matplotlib
+    from draftwise.benchmark.plots import plot_against_concurrency
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, by_level in results.items():
-        throughput.plot(levels, [by_level[str(c)]["tokens_per_s"] for c in levels], marker="o", label=name)
-        latency.plot(levels, [by_level[str(c)]["p95"] for c in levels], marker="o", label=name)
-    for axis, label in ((throughput, "generated tokens / s"), (latency, "p95 request latency, s")):
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(levels, [str(c) for c in levels])
-        axis.set_xlabel("concurrent requests")
-        axis.set_ylabel(label)
-        axis.grid(alpha=0.3)
-    throughput.legend()
-    figure.suptitle("Qwen2.5-Coder 1.5B (int4) on this CPU: continuous batching")
-    figure.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(PLOT, dpi=110)
+    series = {name: ([by_level[str(c)]["tokens_per_s"] for c in levels], [by_level[str(c)]["p95"] for c in levels])
+              for name, by_level in results.items()}
+    plot_against_concurrency(series, levels, PLOT, ("generated tokens / s", "p95 request latency, s"),
+                             "Qwen2.5-Coder 1.5B (int4) on this CPU: continuous batching")
 
 
 def report(results: dict, levels: list[int], args: argparse.Namespace) -> str:
@@ -112,13 +74,12 @@ def main() -> None:
     if not args.report_only:
         llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=max(levels), max_model_len=2048, progress=False)
         prompts = [prompt for _, prompt in workload(llm, 2, 4)][:args.requests]
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         for name in args.configs.split(","):
             llm.set_speculative(CONFIGS[name], progress=False)
             llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
             results[name] = {}
             for c in levels:
-                results[name][str(c)] = run_level(llm, prompts, c, params)
+                results[name][str(c)] = run_closed_loop(llm, prompts, [args.max_tokens] * len(prompts), c)
                 point = results[name][str(c)]
                 print(f"{name} c={c}: {point['tokens_per_s']:.1f} tok/s, p95 {point['p95']:.1f} s", flush=True)
                 RESULTS.mkdir(parents=True, exist_ok=True)

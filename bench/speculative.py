@@ -16,7 +16,6 @@ import gzip
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,12 +54,17 @@ def main() -> None:
     parser.add_argument("--methods", default="draft,ngram,layer_skip")
     parser.add_argument("--layer-skip-layers", type=int, default=20)
     parser.add_argument("--quantization", default="auto", help="weights of target and draft (auto = int4 on CPU)")
+    parser.add_argument("--name", default="speculative", help="BENCHMARKS.md section and results file")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     prompts = humaneval_prompts(args.prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     command = (f"python bench/speculative.py --prompts {args.prompts} --max-tokens {args.max_tokens} --ks {args.ks} "
                f"--quantization {args.quantization}")
+    if args.methods != "draft,ngram,layer_skip":
+        command += f" --methods {args.methods}"
+    if args.name != "speculative":
+        command += f" --name {args.name}"
 
     llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=1, max_model_len=2048, progress=False,
               quantization=args.quantization)
@@ -85,7 +89,7 @@ def main() -> None:
                   f"(decode {r['decode_tokens_per_s'] / plain['decode_tokens_per_s']:.2f}x), acceptance {r['acceptance_rate']:.0%},"
                   f" mean length {r['mean_acceptance_length']:.2f}", flush=True)
             RESULTS.mkdir(parents=True, exist_ok=True)
-            (RESULTS / "speculative-partial.json").write_text(json.dumps(results))
+            (RESULTS / f"{args.name}-partial.json").write_text(json.dumps(results))
 
     rows = []
     for name, r in results.items():
@@ -102,7 +106,7 @@ def main() -> None:
             f"layer_skip drafts with the first {args.layer_skip_layers} of 28 layers.\n\n"
             + table(["config", "tok/s (with prefill)", "speedup", "decode-only speedup", "acceptance", "mean acc. length (incl. bonus)",
                      "acceptance by position", "time drafting", "outputs = plain"], rows))
-    write_section("speculative", command, body, {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"}
+    write_section(args.name, command, body, {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"}
                                                  for k, v in results.items()})
     print(body)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from draftwise.errors import DraftwiseError
+from draftwise.errors import DraftwiseError, InvalidParameterError
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -161,9 +161,107 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget (default: max-num-seqs x max-model-len tokens)")
     serve.set_defaults(run=_serve)
 
+    bench = commands.add_parser("bench", help="plain vs speculative configs on Spec-Bench, HumanEval or your JSONL")
+    bench.add_argument("--model", default=DEFAULT_TARGET)
+    bench.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model for draft configs")
+    bench.add_argument("--dataset", action="append", default=None,
+                       help="spec-bench, humaneval or a JSONL path (repeatable; default: spec-bench and humaneval)")
+    bench.add_argument("--configs", default="draft,ngram",
+                       help="comma-separated: METHOD (adaptive), METHOD:k=K (fixed) or METHOD:k<=K; plain always runs")
+    bench.add_argument("--per-category", type=int, default=10, help="prompts per category (HumanEval: in all)")
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--all-turns", action="store_true", help="Spec-Bench: every turn, not just the first")
+    bench.add_argument("--layers", type=int, default=None, help="layers drafting for layer_skip configs")
+    bench.add_argument("--peers", choices=["hf"], default=None,
+                       help="also run Hugging Face transformers on the same GGUF weights (plain, assistant, prompt lookup)")
+    bench.add_argument("--output", default="bench-results", help="folder for bench.md, bench.json and plots")
+    bench.set_defaults(run=_bench)
+
+    plan = commands.add_parser("plan", help="predict, from your traffic, whether speculation pays at your concurrency")
+    plan.add_argument("--traffic", required=True, help="JSONL: one request per line (prompt, messages or turns)")
+    plan.add_argument("--model", default=DEFAULT_TARGET)
+    plan.add_argument("--draft", default="qwen2.5-coder-0.5b", help="draft model for the 'draft' drafter")
+    plan.add_argument("--drafters", default="draft,ngram", help="comma-separated: draft, ngram, layer_skip")
+    plan.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels to predict")
+    plan.add_argument("--sample", type=int, default=24, help="requests sampled from the traffic (evenly by segment)")
+    plan.add_argument("--max-tokens", type=int, default=128, help="generation cap for lines without max_tokens")
+    plan.add_argument("-k", "--max-k", type=int, default=6, help="largest k considered (acceptance measured at it)")
+    plan.add_argument("--segment-field", default=None, help="the field naming a request's segment (default: "
+                      "segment, else category)")
+    plan.add_argument("--price-per-mtok", type=float, default=None, help="today's cost of a million generated tokens")
+    plan.add_argument("--tokens-per-day", type=float, default=None)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--validate", action="store_true", help="run the real engine and compare with the prediction")
+    plan.add_argument("--validate-max-concurrency", type=int, default=4)
+    plan.add_argument("--output", default="plan", help="folder for plan.md, plan.json and plan.png")
+    plan.set_defaults(run=_plan)
+
     models = commands.add_parser("models", help="list known models and where they are cached")
     models.set_defaults(run=_models)
     return parser
+
+
+def _bench(args) -> None:
+    from pathlib import Path
+
+    from draftwise import LLM, SamplingParams
+    from draftwise.benchmark.datasets import load_prompts
+    from draftwise.benchmark.report import markdown, write_outputs
+    from draftwise.benchmark.runner import parse_config, run_benchmark, summarize
+
+    configs = [c for c in args.configs.split(",") if c]
+    for config in configs:
+        parse_config(config)  # a typo fails before any model loads
+    if args.per_category < 1 or args.max_tokens < 1:
+        raise InvalidParameterError("--per-category and --max-tokens must be positive")
+    llm = LLM(args.model, max_num_seqs=1, progress=True)
+    prompts = []
+    for dataset in args.dataset or ["spec-bench", "humaneval"]:
+        prompts += load_prompts(dataset, llm.tokenizer, per_category=args.per_category, all_turns=args.all_turns,
+                                max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    results = run_benchmark(llm, prompts, configs, params, draft_model=args.draft, layers=args.layers)
+    if args.peers == "hf":
+        from draftwise.benchmark.peers import run_hf_peers
+
+        results += run_hf_peers(args.model, args.draft, prompts, args.max_tokens)
+    summary = summarize(results)
+    header = (f"{args.model}: {len(prompts)} prompts, up to {args.max_tokens} tokens, temperature "
+              f"{args.temperature}, seed {args.seed}, batch 1.")
+    paths = write_outputs(results, summary, Path(args.output), header)
+    print(markdown(summary, header))
+    print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+
+
+def _plan(args) -> None:
+    from pathlib import Path
+
+    from draftwise.planner.plan import PlanOptions, make_plan, render, write
+
+    def levels(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise InvalidParameterError(f"--concurrency must list positive integers, got {text!r}")
+        return values
+
+    drafters = tuple(d for d in args.drafters.split(",") if d)
+    unknown = set(drafters) - {"draft", "ngram", "layer_skip"}
+    if unknown or not drafters:
+        raise InvalidParameterError(f"--drafters must name draft, ngram or layer_skip, got {args.drafters!r}")
+    if args.max_k < 1 or args.sample < 1 or args.max_tokens < 1:
+        raise InvalidParameterError("--max-k, --sample and --max-tokens must be positive")
+    options = PlanOptions(args.traffic, args.model, drafters, args.draft, levels(args.concurrency), args.sample,
+                          args.max_tokens, args.max_k, args.segment_field, args.price_per_mtok, args.tokens_per_day,
+                          args.seed, args.validate, args.validate_max_concurrency)
+    plan = make_plan(options, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    paths = write(plan, Path(args.output))
+    print(render(plan))
+    print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
 
 
 def main(argv: list[str] | None = None) -> int:

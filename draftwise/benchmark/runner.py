@@ -1,0 +1,128 @@
+"""`draftwise bench`: plain decoding and speculative configs over the same prompts, in one run.
+
+A config is written `plain`, `METHOD` (adaptive, k <= 8), `METHOD:k=K` (fixed k) or
+`METHOD:k<=K` (adaptive, k <= K); METHOD is draft, ngram or layer_skip. Each config gets a warm-up
+request (the first prompt, 4 tokens: builds the drafter and its cost model) and then every prompt,
+one at a time (batch 1), greedy unless a temperature is given, with the run's seed.
+
+Per request: generated tokens, seconds (arrival to last token, prefill included), time to first
+token, and the speculation counters. Per config and category the report gives tokens/s (tokens
+over seconds), speedup over plain (the same ratio for plain), tau (Spec-Bench's mean accepted
+tokens: tokens after the first per target decoding step), acceptance by position, TTFT p50 and
+latency p50/p95, and how many outputs equal plain decoding's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from draftwise.errors import InvalidParameterError
+from draftwise.sampling.params import SamplingParams
+from draftwise.spec.metrics import SpecMetrics
+
+CONFIG_PATTERN = re.compile(r"^(draft|ngram|layer_skip)(?::k(=|<=)(\d+))?$")
+DEFAULT_ADAPTIVE_K = 8
+
+
+@dataclass(slots=True)
+class RequestResult:
+    category: str
+    tokens: int
+    seconds: float
+    ttft: float
+    token_ids: list[int]
+    steps: int  # target decoding steps (drafts + plain steps); tokens - 1 for plain decoding; 0: unknown (peers)
+    spec: dict | None = None
+
+
+@dataclass(slots=True)
+class ConfigResult:
+    name: str
+    reference: str = "plain"  # whose outputs this config's must equal (a peer's: the peer's plain decoding)
+    requests: list[RequestResult] = field(default_factory=list)
+
+
+def parse_config(text: str, draft_model: str | None = None, layers: int | None = None) -> dict | None:
+    """'plain' -> None; 'ngram:k=2' -> a speculative dict for `LLM.set_speculative`."""
+    if text == "plain":
+        return None
+    match = CONFIG_PATTERN.match(text)
+    if not match:
+        raise InvalidParameterError(f"config must be plain, METHOD, METHOD:k=K or METHOD:k<=K "
+                                    f"(METHOD draft, ngram or layer_skip), got {text!r}")
+    method, relation, k = match.groups()
+    spec: dict = {"method": method, "num_speculative_tokens": int(k) if k else DEFAULT_ADAPTIVE_K,
+                  "adaptive": relation != "="}
+    if spec["num_speculative_tokens"] < 1:
+        raise InvalidParameterError(f"k must be at least 1 in {text!r}")
+    if method == "draft" and draft_model:
+        spec["model"] = draft_model
+    if method == "layer_skip" and layers:
+        spec["num_layers"] = layers
+    return spec
+
+
+def run_benchmark(llm, prompts: list[tuple[str, str]], configs: list[str], params: SamplingParams, *,
+                  draft_model: str | None = None, layers: int | None = None, progress: bool = True) -> list[ConfigResult]:
+    """Every config over every prompt, plain first (the reference every output is compared with)."""
+    from tqdm import tqdm
+
+    ordered = ["plain"] + [c for c in configs if c != "plain"]
+    results = []
+    for name in ordered:
+        llm.set_speculative(parse_config(name, draft_model, layers), progress=False)
+        llm.generate(prompts[0][1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        result = ConfigResult(name)
+        for category, prompt in tqdm(prompts, desc=name, disable=not progress, leave=False):
+            output = llm.generate(prompt, params, segment=category)[0]
+            metrics = output.metrics
+            spec = metrics.spec
+            steps = (spec.num_drafts + spec.num_plain_steps) if spec else 0
+            steps = steps or max(0, len(output.token_ids) - 1)  # plain decoding: one step per token after the first
+            result.requests.append(RequestResult(category, len(output.token_ids), metrics.seconds,
+                                                 metrics.time_to_first_token or 0.0, list(output.token_ids), steps,
+                                                 asdict(spec) if spec else None))
+        results.append(result)
+    return results
+
+
+def summarize(results: list[ConfigResult]) -> dict:
+    """config -> category (and "all") -> figures. Speedups are over draftwise's plain decoding
+    (results[0]); outputs are compared with each config's `reference`."""
+    plain = results[0]
+    by_name = {r.name: r for r in results}
+    categories = list(dict.fromkeys(r.category for r in plain.requests)) + ["all"]
+    summary: dict = {}
+    for config in results:
+        summary[config.name] = {}
+        reference = by_name.get(config.reference, plain)
+        for category in categories:
+            mine = [r for r in config.requests if category in ("all", r.category)]
+            base = [r for r in plain.requests if category in ("all", r.category)]
+            same = [r for r in reference.requests if category in ("all", r.category)]
+            summary[config.name][category] = _figures(mine, base, same)
+    return summary
+
+
+def _figures(mine: list[RequestResult], base: list[RequestResult], reference: list[RequestResult]) -> dict:
+    speed = sum(r.tokens for r in mine) / max(1e-9, sum(r.seconds for r in mine))
+    base_speed = sum(r.tokens for r in base) / max(1e-9, sum(r.seconds for r in base))
+    steps = sum(r.steps for r in mine)
+    merged = SpecMetrics()
+    for r in mine:
+        if r.spec:
+            merged.merge(SpecMetrics(**r.spec))
+    latencies = sorted(r.seconds for r in mine)
+    ttfts = sorted(r.ttft for r in mine if r.ttft == r.ttft)  # NaN: not measured (peers)
+    return {"requests": len(mine), "tokens": sum(r.tokens for r in mine), "tokens_per_s": speed,
+            "speedup": speed / base_speed if base_speed else 0.0,
+            "tau": sum(r.tokens - 1 for r in mine) / steps if steps else None,
+            "acceptance_rate": merged.acceptance_rate, "acceptance_by_position": merged.acceptance_rate_per_position,
+            "ttft_p50": _percentile(ttfts, 0.5) if ttfts else None, "latency_p50": _percentile(latencies, 0.5),
+            "latency_p95": _percentile(latencies, 0.95),
+            "equal_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(mine, reference))}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0

@@ -1,0 +1,188 @@
+"""A simulator of batched serving with and without speculation, from measured costs and acceptance.
+
+The model (what `draftwise plan` predicts with):
+
+Traffic. `Request`s with a prompt length, an output length and a segment. c clients in a closed
+loop: each sends its next request as soon as its previous one finishes (the way the concurrency
+benchmark and most load generators drive a server), drawing requests from the sample in order.
+
+Engine. The continuous-batching loop of `engine/`: while a request waits and a slot is free, a
+prefill step admits it (its first token comes out of that step: time to first token), alternating
+with decode steps over every running request (as `engine/scheduler.py` does). A step's duration comes from the machine's
+`CostModel`: a prefill over n prompt tokens costs `target_seconds(n)`; a decode step whose row b
+drafts k_b tokens costs `batch_step_seconds([k_b])` - one target pass over sum(k_b + 1) tokens plus
+the drafter's rounds, so verification grows with batch x (k + 1).
+
+Acceptance. Per segment, `Acceptance`: the chance that the drafter proposes at all, and a_i, the
+chance that drafted token i is accepted given that tokens 0..i-1 were (measured by
+`acceptance.py`). A row drafting k tokens commits L + 1 tokens, L the accepted prefix: with
+`expected=True` its expectation 1 + a_0 + a_0 a_1 + ... (deterministic, fractional), otherwise a
+sample. With constant a_i = alpha, batch 1 and a verification costing one step, the speedup is
+Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c the draft/target cost ratio.
+
+Policy. `plain` (k = 0), a fixed k, or `adaptive`: each step, the k (0..k_max, one for the batch)
+with the most expected committed tokens per second of step - the batch-goodput rule of
+`adaptive/policy.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from draftwise.adaptive.cost_model import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt_tokens: int
+    output_tokens: int
+    segment: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    conditional: tuple[float, ...]  # a_i = P(token i accepted | tokens 0..i-1 accepted)
+    propose_rate: float = 1.0  # share of steps where the drafter has something to propose
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens committed by a step drafting k tokens: 1 + sum_i prod_{j<=i} a_j."""
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.rate(i)
+            total += survive
+        return self.propose_rate * total + (1 - self.propose_rate) * 1.0
+
+    def rate(self, position: int) -> float:
+        if not self.conditional:
+            return 0.0
+        return self.conditional[min(position, len(self.conditional) - 1)]
+
+    def sample_tokens(self, k: int, rng: random.Random) -> int:
+        if k == 0 or rng.random() >= self.propose_rate:
+            return 1
+        accepted = 0
+        while accepted < k and rng.random() < self.rate(accepted):
+            accepted += 1
+        return accepted + 1
+
+
+NO_DRAFTS = Acceptance(conditional=(), propose_rate=0.0)
+
+
+@dataclass(slots=True)
+class Policy:
+    """`k=0`: plain decoding; `adaptive`: choose k in 0..k each step for the best batch goodput."""
+    k: int = 0
+    adaptive: bool = False
+
+    @property
+    def name(self) -> str:
+        return "plain" if self.k == 0 else (f"adaptive k<={self.k}" if self.adaptive else f"k={self.k}")
+
+
+@dataclass(slots=True)
+class Prediction:
+    concurrency: int
+    policy: str
+    tokens_per_second: float
+    latency_p50: float
+    latency_p95: float
+    ttft_p50: float
+    ttft_p95: float
+    mean_k: float  # drafted tokens per row and decode step
+    seconds: float
+    requests: int
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Running:
+    request: Request
+    arrival: float
+    remaining: float
+    client: int
+
+
+def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Acceptance], policy: Policy,
+             concurrency: int, *, max_num_seqs: int | None = None, expected: bool = False,
+             seed: int = 0) -> Prediction:
+    """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures."""
+    rng = random.Random(seed)
+    slots = max_num_seqs or concurrency
+    pending = list(requests)
+    waiting: list[tuple[Request, float, int]] = []  # (request, arrival, client)
+    running: list[_Running] = []
+    now, generated = 0.0, 0.0
+    latencies, ttfts, drafted, rows_stepped = [], [], 0, 0
+    for client in range(min(concurrency, len(pending))):
+        waiting.append((pending.pop(0), 0.0, client))
+
+    def finish(row: _Running) -> None:
+        latencies.append(now - row.arrival)
+        if pending:
+            waiting.append((pending.pop(0), now, row.client))
+
+    last_was_prefill = False
+    while waiting or running:
+        if waiting and len(running) < slots and (not running or not last_was_prefill):
+            last_was_prefill = True
+            request, arrival, client = waiting.pop(0)
+            now += costs.target_seconds(max(1, request.prompt_tokens))
+            ttfts.append(now - arrival)
+            generated += 1
+            row = _Running(request, arrival, request.output_tokens - 1, client)
+            if row.remaining <= 0:
+                finish(row)
+            else:
+                running.append(row)
+            continue
+        last_was_prefill = False
+        ks = _choose_k(costs, running, acceptance, policy)
+        now += costs.batch_step_seconds(ks)
+        drafted += sum(ks)
+        rows_stepped += len(ks)
+        for row, k in zip(list(running), ks):
+            rate = acceptance.get(row.request.segment, NO_DRAFTS)
+            tokens = rate.expected_tokens(k) if expected else rate.sample_tokens(k, rng)
+            tokens = min(tokens, row.remaining)
+            row.remaining -= tokens
+            generated += tokens
+            if row.remaining <= 1e-9:
+                running.remove(row)
+                finish(row)
+    latencies.sort()
+    ttfts.sort()
+    return Prediction(concurrency, policy.name, generated / now if now else 0.0,
+                      _percentile(latencies, 0.5), _percentile(latencies, 0.95),
+                      _percentile(ttfts, 0.5), _percentile(ttfts, 0.95),
+                      drafted / rows_stepped if rows_stepped else 0.0, now, len(latencies))
+
+
+def _choose_k(costs: CostModel, running: list[_Running], acceptance: dict[str, Acceptance], policy: Policy) -> list[int]:
+    rows = len(running)
+    if policy.k == 0:
+        return [0] * rows
+    chosen = policy.k
+    if policy.adaptive:
+        def goodput(k: int) -> float:
+            tokens = sum(acceptance.get(r.request.segment, NO_DRAFTS).expected_tokens(k) for r in running)
+            return tokens / costs.batch_step_seconds([k] * rows)
+
+        chosen = max(range(policy.k + 1), key=goodput)
+    # as the engine does: never draft past a request's last token
+    return [max(0, min(chosen, math.ceil(r.remaining) - 1)) for r in running]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, int(q * len(values)))] if len(values) > 1 else values[0]
+
+
+def leviathan_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Expected speedup of k drafted tokens at acceptance alpha and draft/target cost ratio c,
+    verification costing one target step (Leviathan et al. 2023, eq. for the walltime improvement)."""
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * cost_ratio + 1))
+

@@ -1,0 +1,94 @@
+"""`draftwise bench` on a tiny model: the report, JSON and plots, and an equality check that flags a
+config whose outputs differ from plain decoding."""
+
+import json
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.benchmark.datasets import load_prompts
+from draftwise.benchmark.report import markdown, write_outputs
+from draftwise.benchmark.runner import parse_config, run_benchmark, summarize
+from draftwise.errors import InvalidParameterError
+from draftwise.spec.verify import VerifyResult, verify
+
+
+@pytest.fixture
+def prompts(tmp_path, tiny_qwen):
+    traffic = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "def add(a, b):", "category": "code"}, {"prompt": "for i in range(3):", "category": "code"},
+            {"messages": [{"role": "user", "content": "hello"}], "category": "chat"}]
+    traffic.write_text("\n".join(json.dumps(r) for r in rows))
+    llm = LLM(str(tiny_qwen), max_num_seqs=1, max_model_len=256, progress=False)
+    return llm, load_prompts(str(traffic), llm.tokenizer, per_category=5)
+
+
+def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path):
+    llm, items = prompts
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    results = run_benchmark(llm, items, ["ngram:k=2", "draft:k<=3", "draft:k=1"], params,
+                            draft_model=str(tiny_qwen), progress=False)
+    summary = summarize(results)
+    assert list(summary) == ["plain", "ngram:k=2", "draft:k<=3", "draft:k=1"]
+    assert set(summary["plain"]) == {"code", "chat", "all"}
+    for name, by_category in summary.items():
+        assert by_category["all"]["equal_to_plain"] == 3, name
+        assert by_category["all"]["requests"] == 3 and by_category["all"]["tokens_per_s"] > 0
+    assert summary["plain"]["all"]["speedup"] == 1.0 and summary["plain"]["all"]["tau"] == 1.0
+    assert summary["draft:k=1"]["all"]["acceptance_by_position"] == [1.0]  # the target drafting for itself
+    assert summary["draft:k=1"]["all"]["tau"] > 1.5
+    paths = write_outputs(results, summary, tmp_path / "out", "tiny")
+    saved = json.loads(paths["json"].read_text())
+    assert set(saved["summary"]) == set(summary) and len(saved["requests"]["plain"]) == 3
+    for key in ("speedup_by_category", "acceptance_by_position", "speedup_vs_k"):
+        assert paths[key].stat().st_size > 1000
+    assert "| draft:k<=3 |" in paths["markdown"].read_text()
+
+
+def test_equality_check_flags_a_diverging_config(prompts, random_draft, monkeypatch):
+    """A verifier that accepts every drafted token (a random draft's included) must show up."""
+    def accept_everything(draft_token_ids, num_draft, target_logits, *args, **kwargs):
+        honest = verify(draft_token_ids, num_draft, target_logits, *args, **kwargs)
+        width = draft_token_ids.shape[1]
+        output = honest.output_token_ids.clone()
+        take = torch.arange(width)[None, :] < num_draft[:, None]
+        output[:, :width] = torch.where(take, draft_token_ids, -1)
+        output[torch.arange(len(num_draft)), num_draft] = target_logits.argmax(-1)[torch.arange(len(num_draft)), num_draft]
+        return VerifyResult(output, num_draft.clone())
+
+    monkeypatch.setattr("draftwise.engine.engine.verify", accept_everything)
+    llm, items = prompts
+    results = run_benchmark(llm, items, ["draft:k=3"], SamplingParams(temperature=0.0, max_tokens=12),
+                            draft_model=str(random_draft), progress=False)
+    summary = summarize(results)
+    assert summary["plain"]["all"]["equal_to_plain"] == 3
+    assert summary["draft:k=3"]["all"]["equal_to_plain"] < 3
+    assert "| draft:k=3 |" in markdown(summary)
+
+
+def test_config_syntax():
+    assert parse_config("plain") is None
+    assert parse_config("ngram:k=2") == {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
+    assert parse_config("draft", draft_model="m")["adaptive"] is True
+    assert parse_config("layer_skip:k<=4", layers=3) == {"method": "layer_skip", "num_speculative_tokens": 4,
+                                                          "adaptive": True, "num_layers": 3}
+    for bad in ("medusa", "ngram:k=", "draft:k=0", "ngram:4"):
+        with pytest.raises(InvalidParameterError, match="config|k must"):
+            parse_config(bad)
+
+
+def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts):
+    """transformers on the tiny GGUF: plain, assistant and prompt lookup agree with HF's own plain decoding."""
+    pytest.importorskip("transformers")
+    from draftwise.benchmark.peers import run_hf_peers
+
+    llm, items = prompts
+    ours = run_benchmark(llm, items, [], SamplingParams(temperature=0.0, max_tokens=8), progress=False)
+    peers = run_hf_peers(str(tiny_qwen_gguf), str(tiny_qwen_gguf), items, 8, progress=False)
+    summary = summarize(ours + peers)
+    assert list(summary) == ["plain", "hf plain", "hf prompt lookup", "hf assistant"]
+    for name in ("hf plain", "hf prompt lookup", "hf assistant"):
+        assert summary[name]["all"]["equal_to_plain"] == 3, name
+        assert summary[name]["all"]["tau"] is None and summary[name]["all"]["tokens_per_s"] > 0
+    assert "| hf assistant |" in markdown(summary)

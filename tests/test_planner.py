@@ -1,0 +1,117 @@
+"""The serving simulator behind `draftwise plan`: the closed-form speedup it must reproduce, and
+the cases where it must predict no gain."""
+
+import random
+
+import pytest
+
+from draftwise.adaptive.cost_model import CostModel
+from draftwise.planner.simulate import Acceptance, Policy, Request, leviathan_speedup, simulate
+
+STEP = 0.05  # seconds of one target step
+
+
+def flat_costs(cost_ratio: float, growth: float = 0.0) -> CostModel:
+    """Verification of n tokens costs STEP * (1 + growth * (n - 1)); a drafted token cost_ratio * STEP."""
+    target = {n: STEP * (1 + growth * (n - 1)) for n in range(1, 65)}
+    draft = {k: k * cost_ratio * STEP for k in range(1, 9)}
+    return CostModel(target, draft)
+
+
+def speedup(costs, acceptance, policy, concurrency=1, requests=None, expected=True, seed=0):
+    requests = requests or [Request(1, 20000, "code")]
+    plain = simulate(costs, requests, acceptance, Policy(0), concurrency, expected=expected, seed=seed)
+    spec = simulate(costs, requests, acceptance, policy, concurrency, expected=expected, seed=seed)
+    return spec.tokens_per_second / plain.tokens_per_second, spec
+
+
+@pytest.mark.parametrize("alpha,k,c", [(0.8, 4, 0.1), (0.6, 2, 0.3), (0.9, 8, 0.05), (0.5, 1, 0.5)])
+def test_batch_one_constant_acceptance_reproduces_leviathan(alpha, k, c):
+    acceptance = {"code": Acceptance((alpha,) * 8)}
+    ratio, _ = speedup(flat_costs(c), acceptance, Policy(k))
+    assert ratio == pytest.approx(leviathan_speedup(alpha, k, c), rel=2e-3)
+
+
+def test_sampled_acceptance_converges_to_the_closed_form():
+    acceptance = {"code": Acceptance((0.7,) * 8)}
+    ratio, _ = speedup(flat_costs(0.2), acceptance, Policy(3), expected=False, seed=3)
+    assert ratio == pytest.approx(leviathan_speedup(0.7, 3, 0.2), rel=0.03)
+
+
+def test_no_gain_predicted_when_verification_grows_as_fast_as_tokens():
+    acceptance = {"code": Acceptance((0.9,) * 8)}
+    costs = flat_costs(0.1, growth=1.0)  # n tokens cost n steps: nothing is saved by verifying together
+    fixed, _ = speedup(costs, acceptance, Policy(4))
+    adaptive, run = speedup(costs, acceptance, Policy(8, adaptive=True))
+    assert fixed < 1.0
+    assert adaptive == pytest.approx(1.0) and run.mean_k == 0
+
+
+def test_adaptive_backs_off_as_the_batch_grows():
+    """Verification gets expensive once batch x (k + 1) passes ~8 tokens: drafting pays alone, not at 16."""
+    target = {n: STEP * (1 if n <= 8 else n / 8) for n in range(1, 65)}
+    costs = CostModel(target, {k: 0.05 * k * STEP for k in range(1, 9)})
+    acceptance = {"chat": Acceptance((0.8,) * 8)}
+    rng = random.Random(0)
+    requests = [Request(rng.randint(20, 60), rng.randint(50, 150), "chat") for _ in range(48)]
+    alone, run_alone = speedup(costs, acceptance, Policy(8, adaptive=True), 1, requests)
+    crowded, run_crowded = speedup(costs, acceptance, Policy(8, adaptive=True), 16, requests)
+    assert alone > 1.5 and run_alone.mean_k > 2
+    assert crowded == pytest.approx(1.0, abs=0.02) and run_crowded.mean_k < 0.2
+
+
+def test_every_request_finishes_and_latency_percentiles_are_ordered():
+    rng = random.Random(1)
+    requests = [Request(rng.randint(5, 50), rng.randint(1, 40), rng.choice(["a", "b"])) for _ in range(30)]
+    acceptance = {"a": Acceptance((0.9, 0.8, 0.7)), "b": Acceptance((0.2,), propose_rate=0.5)}
+    for concurrency in (1, 4, 32):
+        run = simulate(flat_costs(0.2, 0.1), requests, acceptance, Policy(3, adaptive=True), concurrency, seed=2)
+        assert run.requests == len(requests)
+        assert 0 < run.ttft_p50 <= run.ttft_p95 and run.latency_p50 <= run.latency_p95
+        assert run.ttft_p95 <= run.latency_p95 + 1e-9
+
+
+def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path):
+    """Traffic file in, recommendation, memory, cost, validation and files out (tiny model, seconds)."""
+    import json
+
+    from draftwise.planner.plan import PlanOptions, make_plan, render, write
+
+    traffic = tmp_path / "traffic.jsonl"
+    rows = [{"prompt": "def add(a, b):", "segment": "code"}, {"prompt": "for i in range(3):", "segment": "code"},
+            {"messages": [{"role": "user", "content": "hello there"}], "segment": "chat", "max_tokens": 12},
+            {"turns": ["say something"], "category": "chat"}]
+    traffic.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("draft", "ngram"), draft_model=str(tiny_qwen),
+                          concurrency=(1, 2, 8), sample=4, max_tokens=16, max_k=3, price_per_mtok=10.0,
+                          tokens_per_day=2e6, validate=True, validate_max_concurrency=2)
+    plan = make_plan(options, progress=lambda line: None)
+    assert plan.requests == 4 and plan.segments == {"code": 2, "chat": 2}
+    assert set(plan.predictions) >= {"plain", "draft adaptive k<=3", "ngram k=3"}
+    # the target drafting for itself: everything is accepted
+    assert all(rate == 1.0 for rate in plan.drafters[0].acceptance["code"]["conditional"])
+    assert plan.memory["draft"]["weights_bytes"] > 0 and plan.memory["ngram"]["weights_bytes"] == 0
+    assert plan.memory["draft"]["sequences_fit_with_drafter"] < plan.memory["draft"]["sequences_fit_plain"]
+    assert set(plan.best) == {1, 2, 8} and plan.cost_per_day[1]["plain_per_day"] == 20.0
+    assert {(row["config"], row["concurrency"]) for row in plan.validation} == {
+        (name, c) for name in ("plain", "draft adaptive k<=3", "ngram adaptive k<=3") for c in (1, 2)}
+    paths = write(plan, tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["requests"] == 4
+    assert paths["plot"].stat().st_size > 0 and "| concurrency |" in render(plan)
+
+
+def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
+    from draftwise.errors import InvalidParameterError
+    from draftwise.planner.traffic import read_traffic
+    from draftwise.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_qwen)
+    with pytest.raises(InvalidParameterError, match="not found"):
+        read_traffic(tmp_path / "missing.jsonl", tokenizer, sample=4, max_tokens=8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(InvalidParameterError, match=r"bad.jsonl:2: needs a \"prompt\""):
+        read_traffic(bad, tokenizer, sample=4, max_tokens=8)
+    bad.write_text('{"prompt": "ok"\n')
+    with pytest.raises(InvalidParameterError, match="not JSON"):
+        read_traffic(bad, tokenizer, sample=4, max_tokens=8)
