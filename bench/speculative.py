@@ -3,7 +3,9 @@
     python bench/speculative.py [--prompts 20] [--max-tokens 128] [--ks 1,2,3,4,6,8]
 
 Greedy, batch 1, the real pair (qwen2.5-coder-1.5b target, qwen2.5-coder-0.5b draft; weights as --quantization), one
-process, one target: plain decoding first (the baseline), then each method at each k. Speedup =
+process, one target: plain decoding first (the baseline), then each method at each fixed k (the
+adaptive controller off: every step drafts exactly k tokens, fewer only where a request has fewer
+left or n-gram finds a shorter match). Speedup =
 mean per-prompt tokens/s of the config / that of plain (Spec-Bench's definition,
 prefill included); the decode-only speedup leaves the (identical) prefill out. Mean acceptance
 length counts the recovered/bonus token (plain = 1.00). Every output is compared with plain's.
@@ -74,10 +76,10 @@ def main() -> None:
     print(f"plain {plain['tokens_per_s']:.2f} tok/s", flush=True)
     specs = {
         "draft": lambda k: {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": k,
-                            "quantization": args.quantization},
-        "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k},
+                            "quantization": args.quantization, "adaptive": False},
+        "ngram": lambda k: {"method": "ngram", "num_speculative_tokens": k, "adaptive": False},
         "layer_skip": lambda k: {"method": "layer_skip", "num_layers": args.layer_skip_layers,
-                                 "num_speculative_tokens": k},
+                                 "num_speculative_tokens": k, "adaptive": False},
     }
     for method in args.methods.split(","):
         for k in ks:

@@ -115,3 +115,15 @@ def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
     bad.write_text('{"prompt": "ok"\n')
     with pytest.raises(InvalidParameterError, match="not JSON"):
         read_traffic(bad, tokenizer, sample=4, max_tokens=8)
+
+
+def test_draft_model_catch_up_is_charged_once_per_backlog_and_capped_by_the_window():
+    costs = flat_costs(0.2)
+    costs.catch_up = 0.01
+    acceptance = {"code": Acceptance((0.8,) * 8)}
+    requests = [Request(500, 50, "code")]
+    free = simulate(flat_costs(0.2), requests, acceptance, Policy(3), 1, expected=True)
+    charged = simulate(costs, requests, acceptance, Policy(3), 1, expected=True)
+    windowed = simulate(costs, requests, acceptance, Policy(3), 1, expected=True, catch_up_window=100)
+    assert charged.seconds - free.seconds == pytest.approx(0.01 * 500)  # the prompt (+1 new token, minus 1)
+    assert windowed.seconds - free.seconds == pytest.approx(0.01 * 99)

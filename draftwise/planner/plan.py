@@ -47,6 +47,7 @@ class PlanOptions:
     seed: int = 0
     validate: bool = False
     validate_max_concurrency: int = 4
+    draft_context_window: int | None = 128  # as SpeculativeConfig's: bounds the draft model's catch-up
 
 
 @dataclass(slots=True)
@@ -116,11 +117,12 @@ def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, requ
         table["plain"].append(asdict(simulate(plain_costs, requests, {}, Policy(0), c, seed=options.seed)))
     for method, costs in costs_by_method.items():
         acceptance = acceptance_by_method[method]
+        window = options.draft_context_window if method == "draft" else None
         policies = [Policy(options.max_k, adaptive=True)] + [Policy(k) for k in range(1, options.max_k + 1)]
         for policy in policies:
             name = f"{method} {policy.name}"
-            table[name] = [asdict(simulate(costs, requests, acceptance, policy, c, seed=options.seed))
-                           for c in options.concurrency]
+            table[name] = [asdict(simulate(costs, requests, acceptance, policy, c, catch_up_window=window,
+                                           seed=options.seed)) for c in options.concurrency]
     return table
 
 

@@ -23,6 +23,11 @@ Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c the draft/targ
 Policy. `plain` (k = 0), a fixed k, or `adaptive`: each step, the k (0..k_max, one for the batch)
 with the most expected committed tokens per second of step - the batch-goodput rule of
 `adaptive/policy.py`.
+
+Catch-up. A drafter with its own cache (a draft model) must first absorb what it has not seen: the
+prompt before its first draft, and the tokens of plain steps taken meanwhile. A row's first
+drafting step after such a backlog costs `catch_up_seconds(backlog)` more, the backlog capped at
+`catch_up_window` tokens (the draft model's context window) where it has one.
 """
 
 from __future__ import annotations
@@ -103,11 +108,12 @@ class _Running:
     arrival: float
     remaining: float
     client: int
+    backlog: int  # tokens the drafter has not seen yet (1: only the newest, as after a draft)
 
 
 def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Acceptance], policy: Policy,
              concurrency: int, *, max_num_seqs: int | None = None, expected: bool = False,
-             seed: int = 0) -> Prediction:
+             catch_up_window: int | None = None, seed: int = 0) -> Prediction:
     """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures."""
     rng = random.Random(seed)
     slots = max_num_seqs or concurrency
@@ -132,7 +138,7 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
             now += costs.target_seconds(max(1, request.prompt_tokens))
             ttfts.append(now - arrival)
             generated += 1
-            row = _Running(request, arrival, request.output_tokens - 1, client)
+            row = _Running(request, arrival, request.output_tokens - 1, client, request.prompt_tokens + 1)
             if row.remaining <= 0:
                 finish(row)
             else:
@@ -141,12 +147,17 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
         last_was_prefill = False
         ks = _choose_k(costs, running, acceptance, policy)
         now += costs.batch_step_seconds(ks)
+        for row, k in zip(running, ks):
+            if k > 0:
+                backlog = row.backlog if catch_up_window is None else min(row.backlog, catch_up_window)
+                now += costs.catch_up_seconds(backlog)
         drafted += sum(ks)
         rows_stepped += len(ks)
         for row, k in zip(list(running), ks):
             rate = acceptance.get(row.request.segment, NO_DRAFTS)
             tokens = rate.expected_tokens(k) if expected else rate.sample_tokens(k, rng)
             tokens = min(tokens, row.remaining)
+            row.backlog = 1 if k > 0 else row.backlog + math.ceil(tokens)
             row.remaining -= tokens
             generated += tokens
             if row.remaining <= 1e-9:
