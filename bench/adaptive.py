@@ -8,7 +8,8 @@ six categories (multi-turn conversation = MT-bench: the first question of each o
 subcategories; translation, summarization, QA, math reasoning, RAG), in the chat template;
 HumanEval prompts as raw code completions. Configs: plain decoding (the baseline); each drafter
 adaptive (the default: k <= 8 chosen per step by the goodput controller); each drafter at a fixed
-k, the best one found by bench/speculative.py (draft 2, ngram 1, layer_skip 1).
+k, the best one found by bench/speculative.py (run 2, native kernels: draft 3, ngram 3; run 1:
+layer_skip 1).
 
 Speedup = (tokens / seconds of the config) / (tokens / seconds of plain) over the category's
 prompts, prefill included (Spec-Bench's definition). tau = generated tokens after the first per
@@ -42,8 +43,8 @@ CONFIGS = {
     "draft adaptive": {"method": "draft"},
     "ngram adaptive": {"method": "ngram"},
     "layer_skip adaptive": {"method": "layer_skip", "num_layers": 20},
-    "draft k=2": {"method": "draft", "num_speculative_tokens": 2, "adaptive": False},
-    "ngram k=1": {"method": "ngram", "num_speculative_tokens": 1, "adaptive": False},
+    "draft k=3": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
+    "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
     "layer_skip k=1": {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 1, "adaptive": False},
 }
 ADAPTIVE_K = 8

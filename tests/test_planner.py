@@ -86,7 +86,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path):
                           concurrency=(1, 2, 8), sample=4, max_tokens=16, max_k=3, price_per_mtok=10.0,
                           tokens_per_day=2e6, validate=True, validate_max_concurrency=2)
     plan = make_plan(options, progress=lambda line: None)
-    assert plan.requests == 4 and plan.segments == {"code": 2, "chat": 2}
+    assert plan.requests == 4 and plan.segments == {"code": 2, "chat": 2} and plan.calibration > 0
     assert set(plan.predictions) >= {"plain", "draft adaptive k<=3", "ngram k=3"}
     # the target drafting for itself: everything is accepted
     assert all(rate == 1.0 for rate in plan.drafters[0].acceptance["code"]["conditional"])

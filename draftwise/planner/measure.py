@@ -22,15 +22,17 @@ from draftwise.spec.metrics import SpecMetrics
 MIN_OBSERVATIONS = 8  # a position seen fewer times keeps the previous position's rate
 
 
-def plain_requests(llm: LLM, items: list[TrafficItem]) -> tuple[list[Request], list[list[int]]]:
-    """Run the sample with plain greedy decoding: each request's lengths, and its output (the reference)."""
+def plain_requests(llm: LLM, items: list[TrafficItem]) -> tuple[list[Request], float]:
+    """Run the sample with plain greedy decoding, one request at a time: each request's lengths,
+    and the seconds the run took (the planner calibrates its cost model with them)."""
     llm.set_speculative(None, progress=False)
-    requests, outputs = [], []
+    llm.generate(items[0].prompt, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    requests, seconds = [], 0.0
     for item in items:
         output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens))[0]
         requests.append(Request(len(output.prompt_token_ids), max(1, len(output.token_ids)), item.segment))
-        outputs.append(output.token_ids)
-    return requests, outputs
+        seconds += output.metrics.seconds
+    return requests, seconds
 
 
 def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int) -> dict[str, Acceptance]:

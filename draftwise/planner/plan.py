@@ -1,11 +1,14 @@
 """`draftwise plan`: on this traffic, this machine and these concurrencies, will speculation pay?
 
-1. Sample the traffic (evenly across segments) and run it with plain decoding: prompt and output
-   lengths, and the reference outputs.
+1. Sample the traffic (evenly across segments) and run it with plain decoding, one request at a
+   time: prompt and output lengths, and the time it took.
 2. For each drafter, run the sample again at a fixed k to measure acceptance per segment
    (`measure.py`), and load (or measure) the machine's cost model for target and drafter.
-3. Simulate closed-loop serving at each concurrency (`simulate.py`): plain decoding, each drafter
-   adaptive (k <= k_max) and at every fixed k.
+3. Calibrate: the cost model times bare forward passes over a 256-token context; a real step also
+   samples, schedules and detokenizes, and attends over longer contexts. The plain run of step 1 is
+   exactly "plain decoding at concurrency 1", so every cost is scaled by measured / simulated time
+   of that run (printed as the calibration factor). Then simulate closed-loop serving at each
+   concurrency (`simulate.py`): plain decoding, each drafter adaptive (k <= k_max) and every fixed k.
 4. Recommend, per concurrency, the fastest configuration; the concurrency from which speculation
    stops paying (no config 2% above plain); the memory a drafter costs (its weights and KV cache,
    and how many fewer sequences fit in the same KV budget); and the cost per day.
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from draftwise.adaptive.cost_model import CostModel
 from draftwise.planner.simulate import Acceptance, Policy, Prediction, Request, simulate
 
 PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% above plain
@@ -69,6 +73,7 @@ class Plan:
     drafters: list[DrafterFacts]
     memory: dict[str, dict]
     cost_per_day: dict[int, dict] | None
+    calibration: float = 1.0  # real plain run / simulated plain run at concurrency 1
     validation: list[dict] = field(default_factory=list)
 
 
@@ -83,15 +88,18 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")
-    requests, _ = plain_requests(llm, items)
+    requests, plain_seconds = plain_requests(llm, items)
     plain_costs = llm.measure_costs(None, None)
+    calibration = plain_seconds / simulate(plain_costs, requests, {}, Policy(0), 1, expected=True).seconds
+    progress(f"calibration: real steps take {calibration:.2f}x the profiled forward passes")
+    plain_costs = scaled(plain_costs, calibration)
     drafters, costs_by_method, acceptance_by_method = [], {}, {}
     for method in options.drafters:
         progress(f"measuring {method} acceptance at k = {options.max_k}")
         acceptance = measure_acceptance(llm, items, _spec(method, options), options.max_k)
         drafter = llm.engine.drafters[method]
         config = SpeculativeConfig.from_value({**_spec(method, options), "num_speculative_tokens": options.max_k})
-        costs_by_method[method] = llm.measure_costs(drafter.proposer, config)
+        costs_by_method[method] = scaled(llm.measure_costs(drafter.proposer, config), calibration)
         acceptance_by_method[method] = acceptance
         drafters.append(DrafterFacts(method, {s: asdict(a) for s, a in acceptance.items()},
                                      *_drafter_memory(drafter.proposer)))
@@ -99,10 +107,15 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     predictions = predict(plain_costs, costs_by_method, acceptance_by_method, requests, options)
     best, switch_off = recommend(predictions, options.concurrency)
     plan = Plan(asdict(options), len(requests), _segment_counts(requests), predictions, best, switch_off,
-                drafters, memory_report(llm, drafters, requests), cost_report(best, options))
+                drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration)
     if options.validate:
         plan.validation = validate(llm, items, requests, plan, options, progress)
     return plan
+
+
+def scaled(costs: CostModel, factor: float) -> CostModel:
+    return CostModel({n: s * factor for n, s in costs.target.items()}, {k: s * factor for k, s in costs.draft.items()},
+                     costs.catch_up * factor, costs.key)
 
 
 def _spec(method: str, options: PlanOptions) -> dict:
@@ -227,7 +240,8 @@ def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptio
 def render(plan: Plan) -> str:
     options = plan.options
     lines = [f"Traffic: {options['traffic']} ({plan.requests} sampled requests; segments: "
-             + ", ".join(f"{s or '(none)'} {n}" for s, n in plan.segments.items()) + ")", ""]
+             + ", ".join(f"{s or '(none)'} {n}" for s, n in plan.segments.items())
+             + f"). Calibration: real steps take {plan.calibration:.2f}x the profiled forward passes.", ""]
     lines += ["| concurrency | plain tok/s | plain p95 s | recommended | tok/s | speedup | p95 s |",
               "|---|---|---|---|---|---|---|"]
     for i, c in enumerate(options["concurrency"]):
