@@ -18,6 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from draftwise.errors import InvalidParameterError
+from draftwise.planner.simulate import percentile
 from draftwise.sampling.params import SamplingParams
 from draftwise.spec.metrics import SpecMetrics
 
@@ -119,10 +120,7 @@ def _figures(mine: list[RequestResult], base: list[RequestResult], reference: li
             "speedup": speed / base_speed if base_speed else 0.0,
             "tau": sum(r.tokens - 1 for r in mine) / steps if steps else None,
             "acceptance_rate": merged.acceptance_rate, "acceptance_by_position": merged.acceptance_rate_per_position,
-            "ttft_p50": _percentile(ttfts, 0.5) if ttfts else None, "latency_p50": _percentile(latencies, 0.5),
-            "latency_p95": _percentile(latencies, 0.95),
+            "ttft_p50": percentile(ttfts, 0.5) if ttfts else None, "latency_p50": percentile(latencies, 0.5),
+            "latency_p95": percentile(latencies, 0.95),
             "equal_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(mine, reference))}
 
-
-def _percentile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0

@@ -14,7 +14,7 @@ import statistics
 import time
 
 from draftwise.llm import LLM
-from draftwise.planner.simulate import Acceptance, Request
+from draftwise.planner.simulate import Acceptance, Request, percentile
 from draftwise.planner.traffic import TrafficItem
 from draftwise.sampling.params import SamplingParams
 from draftwise.spec.metrics import SpecMetrics
@@ -92,10 +92,7 @@ def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurr
     latencies.sort()
     ttfts.sort()
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "p50": statistics.median(latencies), "p95": _percentile(latencies, 0.95),
-            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": _percentile(ttfts, 0.95),
+            "p50": statistics.median(latencies), "p95": percentile(latencies, 0.95),
+            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": percentile(ttfts, 0.95),
             "outputs": outputs}
 
-
-def _percentile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0

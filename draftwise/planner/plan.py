@@ -83,8 +83,8 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     from draftwise.planner.traffic import read_traffic
     from draftwise.spec.config import SpeculativeConfig
 
-    llm = LLM(options.model, max_num_seqs=max(options.validate_max_concurrency, 1), progress=False,
-              speculative=_spec("draft", options) if "draft" in options.drafters else None)
+    # each drafter is installed when its acceptance is measured (loading the draft model once)
+    llm = LLM(options.model, max_num_seqs=max(options.validate_max_concurrency, 1), progress=False)
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")

@@ -166,8 +166,8 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
     latencies.sort()
     ttfts.sort()
     return Prediction(concurrency, policy.name, generated / now if now else 0.0,
-                      _percentile(latencies, 0.5), _percentile(latencies, 0.95),
-                      _percentile(ttfts, 0.5), _percentile(ttfts, 0.95),
+                      percentile(latencies, 0.5), percentile(latencies, 0.95),
+                      percentile(ttfts, 0.5), percentile(ttfts, 0.95),
                       drafted / rows_stepped if rows_stepped else 0.0, now, len(latencies))
 
 
@@ -186,10 +186,9 @@ def _choose_k(costs: CostModel, running: list[_Running], acceptance: dict[str, A
     return [max(0, min(chosen, math.ceil(r.remaining) - 1)) for r in running]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    return values[min(len(values) - 1, int(q * len(values)))] if len(values) > 1 else values[0]
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of sorted `values` (nearest rank below); 0.0 for none."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
 def leviathan_speedup(alpha: float, k: int, cost_ratio: float) -> float:

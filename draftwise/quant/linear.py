@@ -5,8 +5,8 @@ int8: one scale per output channel (symmetric), weight = scale * q.
 
 Two kernel paths, chosen once per layer at construction:
   - native (quant/native.py, AVX-512 BF16): every weight dequantized once for all rows, so a
-    forward over k+1 rows costs little more than over one; int4 weights as 16-byte nibble groups
-    with fp16 scales and minimums;
+    forward over k+1 rows costs little more than over one; int4 weights in the kernel's own
+    layout (`pack_for_native`: channel quads, pairs of groups, fp16 scales and minimums);
   - PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) everywhere
     else; int4 packed for them with bf16 scales and zeros, weight = (q - 8) * scale + zero.
 Both take bf16 activations: measured on this project's AVX-512 machine for an 8960x1536 layer,
