@@ -44,7 +44,8 @@ def test_no_gain_predicted_when_verification_grows_as_fast_as_tokens():
     fixed, _ = speedup(costs, acceptance, Policy(4))
     adaptive, run = speedup(costs, acceptance, Policy(8, adaptive=True))
     assert fixed < 1.0
-    assert adaptive == pytest.approx(1.0) and run.mean_k == 0
+    # the engine's controller stays plain but for its probes, which may cost up to 2%
+    assert adaptive == pytest.approx(1.0, abs=0.02) and run.mean_k < 0.05
 
 
 def test_adaptive_backs_off_as_the_batch_grows():
@@ -95,6 +96,9 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path):
     assert set(plan.best) == {1, 2, 8} and plan.cost_per_day[1]["plain_per_day"] == 20.0
     assert {(row["config"], row["concurrency"]) for row in plan.validation} == {
         (name, c) for name in ("plain", "draft adaptive k<=3", "ngram adaptive k<=3") for c in (1, 2)}
+    for row in plan.validation:  # speedups against plain at the same level, measured right before
+        assert row["measured_speedup"] > 0 and row["predicted_speedup"] > 0
+        assert row["config"] != "plain" or row["measured_speedup"] == row["predicted_speedup"] == 1.0
     paths = write(plan, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["requests"] == 4
     assert paths["plot"].stat().st_size > 0 and "| concurrency |" in render(plan)

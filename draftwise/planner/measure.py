@@ -64,8 +64,9 @@ def acceptance_from(metrics: SpecMetrics) -> Acceptance:
 
 
 def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurrency: int,
-                    speculative: dict | None = None) -> dict:
-    """The real engine, `concurrency` requests in flight until every prompt has run once."""
+                    speculative: dict | None = None, segments: list[str | None] | None = None) -> dict:
+    """The real engine, `concurrency` requests in flight until every prompt has run once
+    (`segments`: each request's traffic label)."""
     queue = list(enumerate(prompts))
     in_flight: dict[str, tuple[int, float]] = {}
     latencies, ttfts, outputs, tokens = [], [], [None] * len(prompts), 0
@@ -75,7 +76,8 @@ def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurr
         while queue and len(in_flight) < concurrency:
             index, prompt = queue.pop(0)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens[index])
-            request_id = llm.add_request(prompt, params, speculative=speculative)
+            request_id = llm.add_request(prompt, params, speculative=speculative,
+                                         segment=segments[index] if segments else None)
             in_flight[request_id] = (index, time.perf_counter())
         for output in llm.step():
             index, arrival = in_flight[output.request_id]

@@ -13,7 +13,7 @@
    stops paying (no config 2% above plain); the memory a drafter costs (its weights and KV cache,
    and how many fewer sequences fit in the same KV budget); and the cost per day.
 5. With `validate`, run the real engine at the concurrencies that fit here and compare measured
-   throughput with the prediction (plain and the recommended drafter, adaptive).
+   throughput, and speedup over plain, with the prediction (plain and each drafter, adaptive).
 
 Cost per day: `price_per_mtok` is what a million generated tokens cost today without speculation
 (machine time / throughput). Speculation that multiplies throughput by s at the same concurrency
@@ -213,26 +213,40 @@ def _segment_counts(requests: list[Request]) -> dict[str, int]:
 
 
 def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptions, progress) -> list[dict]:
-    """Measured vs predicted throughput: plain, and each drafter adaptive, at the levels that fit here."""
+    """Measured vs predicted: plain, and each drafter adaptive, at the levels that fit here.
+
+    Level by level, plain first and each drafter right after it (this machine drifts by 10-15%
+    over tens of minutes, so a speculative run is compared with a plain run of minutes before, not
+    of the start). Each run starts from a freshly installed drafter, as a simulation does, and
+    passes every request's segment. Rows carry the error on throughput and on the speedup over
+    plain at the same level (the ratio cancels the drift that both runs share)."""
     from draftwise.planner.measure import run_closed_loop
 
     prompts = [item.prompt for item in items]
-    lengths = [r.output_tokens for r in requests]
+    segments = [item.segment or None for item in items]
+    lengths = [r.output_tokens for r in requests]  # the plain run's lengths: the same tokens, EOS included
     levels = [c for c in options.concurrency if c <= options.validate_max_concurrency]
     rows = []
-    for method in ["plain", *options.drafters]:
-        name = "plain" if method == "plain" else f"{method} adaptive k<={options.max_k}"
-        if method != "plain":
-            llm.set_speculative({**_spec(method, options), "num_speculative_tokens": options.max_k}, progress=False)
-        for c in levels:
+    for c in levels:
+        index = options.concurrency.index(c)
+        plain_measured = plain_predicted = None
+        for method in ["plain", *options.drafters]:
+            name = "plain" if method == "plain" else f"{method} adaptive k<={options.max_k}"
             progress(f"validating {name} at concurrency {c}")
-            # max_tokens = the plain run's lengths: the same tokens are generated, EOS included
-            measured = run_closed_loop(llm, prompts, lengths, c, {"enabled": False} if method == "plain" else None)
-            predicted = plan.predictions[name][options.concurrency.index(c)]
-            rows.append({"config": name, "concurrency": c, "measured_tokens_per_second": measured["tokens_per_s"],
+            llm.set_speculative(None if method == "plain" else
+                                {**_spec(method, options), "num_speculative_tokens": options.max_k}, progress=False)
+            run = run_closed_loop(llm, prompts, lengths, c, segments=segments)
+            measured, predicted = run["tokens_per_s"], plan.predictions[name][index]
+            if method == "plain":
+                plain_measured, plain_predicted = measured, predicted["tokens_per_second"]
+            rows.append({"config": name, "concurrency": c, "measured_tokens_per_second": measured,
                          "predicted_tokens_per_second": predicted["tokens_per_second"],
-                         "error": predicted["tokens_per_second"] / measured["tokens_per_s"] - 1,
-                         "measured_latency_p95": measured["p95"], "predicted_latency_p95": predicted["latency_p95"]})
+                         "error": predicted["tokens_per_second"] / measured - 1,
+                         "measured_speedup": measured / plain_measured,
+                         "predicted_speedup": predicted["tokens_per_second"] / plain_predicted,
+                         "speedup_error": (predicted["tokens_per_second"] / plain_predicted)
+                         / (measured / plain_measured) - 1,
+                         "measured_latency_p95": run["p95"], "predicted_latency_p95": predicted["latency_p95"]})
     return rows
 
 
@@ -265,11 +279,14 @@ def render(plan: Plan) -> str:
             lines.append(f"| {c} | {cost['plain_per_day']:.2f} | {cost['with_speculation_per_day']:.2f} | {cost['config']} |")
     if plan.validation:
         lines += ["", "Validation (the real engine on this machine):", "",
-                  "| config | concurrency | measured tok/s | predicted tok/s | error | measured p95 s | predicted p95 s |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| concurrency | config | measured tok/s | predicted tok/s | error | measured speedup | "
+                  "predicted speedup | speedup error | measured p95 s | predicted p95 s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row in plan.validation:
-            lines.append(f"| {row['config']} | {row['concurrency']} | {row['measured_tokens_per_second']:.2f} | "
+            lines.append(f"| {row['concurrency']} | {row['config']} | {row['measured_tokens_per_second']:.2f} | "
                          f"{row['predicted_tokens_per_second']:.2f} | {row['error']:+.1%} | "
+                         f"{row['measured_speedup']:.2f}x | {row['predicted_speedup']:.2f}x | "
+                         f"{row['speedup_error']:+.1%} | "
                          f"{row['measured_latency_p95']:.1f} | {row['predicted_latency_p95']:.1f} |")
     return "\n".join(lines)
 

@@ -20,9 +20,12 @@ chance that drafted token i is accepted given that tokens 0..i-1 were (measured 
 sample. With constant a_i = alpha, batch 1 and a verification costing one step, the speedup is
 Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c the draft/target cost ratio.
 
-Policy. `plain` (k = 0), a fixed k, or `adaptive`: each step, the k (0..k_max, one for the batch)
-with the most expected committed tokens per second of step - the batch-goodput rule of
-`adaptive/policy.py`.
+Policy. `plain` (k = 0), a fixed k, or `adaptive`: the engine's own controller
+(`adaptive/policy.AdaptiveLength`, k <= k_max) replayed step by step. It sees what it sees in the
+engine: each row's backlog, tokens left and generated, the segment, and after each step the drafted
+and accepted counts, so ski rental on the catch-up, probing and per-segment memory act here as they
+do in serving. It learns from whole-token outcomes, so adaptive runs always sample acceptance
+(`expected` applies to plain and fixed k).
 
 Catch-up. A drafter with its own cache (a draft model) must first absorb what it has not seen: the
 prompt before its first draft, and the tokens of plain steps taken meanwhile. A row's first
@@ -37,6 +40,7 @@ import random
 from dataclasses import dataclass, field
 
 from draftwise.adaptive.cost_model import CostModel
+from draftwise.adaptive.policy import AdaptiveLength
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +69,17 @@ class Acceptance:
         return self.conditional[min(position, len(self.conditional) - 1)]
 
     def sample_tokens(self, k: int, rng: random.Random) -> int:
+        accepted = self.sample_accepted(k, rng)
+        return 1 if accepted is None else accepted + 1
+
+    def sample_accepted(self, k: int, rng: random.Random) -> int | None:
+        """Accepted drafted tokens of a step drafting k (None: the drafter had nothing to propose)."""
         if k == 0 or rng.random() >= self.propose_rate:
-            return 1
+            return None
         accepted = 0
         while accepted < k and rng.random() < self.rate(accepted):
             accepted += 1
-        return accepted + 1
+        return accepted
 
 
 NO_DRAFTS = Acceptance(conditional=(), propose_rate=0.0)
@@ -78,7 +87,7 @@ NO_DRAFTS = Acceptance(conditional=(), propose_rate=0.0)
 
 @dataclass(slots=True)
 class Policy:
-    """`k=0`: plain decoding; `adaptive`: choose k in 0..k each step for the best batch goodput."""
+    """`k=0`: plain decoding; `adaptive`: the engine's controller chooses k in 0..k each step."""
     k: int = 0
     adaptive: bool = False
 
@@ -103,12 +112,33 @@ class Prediction:
 
 
 @dataclass(slots=True)
+class _Params:
+    seed: int | None = None
+    greedy: bool = True
+
+
+@dataclass(slots=True)
 class _Running:
+    """A request in the batch; also what `AdaptiveLength` reads of a `Sequence`."""
     request: Request
     arrival: float
     remaining: float
     client: int
     backlog: int  # tokens the drafter has not seen yet (1: only the newest, as after a draft)
+    request_id: str = ""
+    params: _Params = field(default_factory=_Params)
+
+    @property
+    def segment(self) -> str | None:
+        return self.request.segment or None
+
+    @property
+    def output_ids(self) -> range:  # only its length is read
+        return range(self.request.output_tokens - math.ceil(self.remaining))
+
+    @property
+    def num_tokens_left(self) -> int:
+        return math.ceil(self.remaining)
 
 
 def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Acceptance], policy: Policy,
@@ -116,6 +146,7 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
              catch_up_window: int | None = None, seed: int = 0) -> Prediction:
     """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures."""
     rng = random.Random(seed)
+    controller = AdaptiveLength(costs, policy.k) if policy.adaptive and policy.k else None
     slots = max_num_seqs or concurrency
     pending = list(requests)
     waiting: list[tuple[Request, float, int]] = []  # (request, arrival, client)
@@ -127,6 +158,8 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
 
     def finish(row: _Running) -> None:
         latencies.append(now - row.arrival)
+        if controller is not None:
+            controller.release(row)
         if pending:
             waiting.append((pending.pop(0), now, row.client))
 
@@ -138,24 +171,32 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
             now += costs.target_seconds(max(1, request.prompt_tokens))
             ttfts.append(now - arrival)
             generated += 1
-            row = _Running(request, arrival, request.output_tokens - 1, client, request.prompt_tokens + 1)
+            row = _Running(request, arrival, request.output_tokens - 1, client, request.prompt_tokens + 1,
+                           request_id=str(len(ttfts)))
             if row.remaining <= 0:
                 finish(row)
             else:
                 running.append(row)
             continue
         last_was_prefill = False
-        ks = _choose_k(costs, running, acceptance, policy)
+        lags = [row.backlog if catch_up_window is None else min(row.backlog, catch_up_window) for row in running]
+        if controller is not None:
+            ks = controller.num_tokens(running, lags)
+        else:
+            ks = [policy.k] * len(running)
+        ks = [max(0, min(k, math.ceil(row.remaining) - 1)) for row, k in zip(running, ks)]  # as the engine
         now += costs.batch_step_seconds(ks)
-        for row, k in zip(running, ks):
-            if k > 0:
-                backlog = row.backlog if catch_up_window is None else min(row.backlog, catch_up_window)
-                now += costs.catch_up_seconds(backlog)
+        now += sum(costs.catch_up_seconds(lag) for lag, k in zip(lags, ks) if k > 0)
         drafted += sum(ks)
         rows_stepped += len(ks)
         for row, k in zip(list(running), ks):
             rate = acceptance.get(row.request.segment, NO_DRAFTS)
-            tokens = rate.expected_tokens(k) if expected else rate.sample_tokens(k, rng)
+            if controller is not None:
+                accepted = rate.sample_accepted(k, rng)
+                controller.observe(row, 0 if accepted is None else k, accepted or 0)
+                tokens = 1 if accepted is None else accepted + 1
+            else:
+                tokens = rate.expected_tokens(k) if expected else rate.sample_tokens(k, rng)
             tokens = min(tokens, row.remaining)
             row.backlog = 1 if k > 0 else row.backlog + math.ceil(tokens)
             row.remaining -= tokens
@@ -169,21 +210,6 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
                       percentile(latencies, 0.5), percentile(latencies, 0.95),
                       percentile(ttfts, 0.5), percentile(ttfts, 0.95),
                       drafted / rows_stepped if rows_stepped else 0.0, now, len(latencies))
-
-
-def _choose_k(costs: CostModel, running: list[_Running], acceptance: dict[str, Acceptance], policy: Policy) -> list[int]:
-    rows = len(running)
-    if policy.k == 0:
-        return [0] * rows
-    chosen = policy.k
-    if policy.adaptive:
-        def goodput(k: int) -> float:
-            tokens = sum(acceptance.get(r.request.segment, NO_DRAFTS).expected_tokens(k) for r in running)
-            return tokens / costs.batch_step_seconds([k] * rows)
-
-        chosen = max(range(policy.k + 1), key=goodput)
-    # as the engine does: never draft past a request's last token
-    return [max(0, min(chosen, math.ceil(r.remaining) - 1)) for r in running]
 
 
 def percentile(values: list[float], q: float) -> float:
