@@ -8,7 +8,7 @@ six categories (multi-turn conversation = MT-bench: the first question of each o
 subcategories; translation, summarization, QA, math reasoning, RAG), in the chat template;
 HumanEval prompts as raw code completions. Configs: plain decoding (the baseline); each drafter
 adaptive (the default: k <= 8 chosen per step by the goodput controller); each drafter at a fixed
-k, the best one found by bench/speculative.py (run 2, native kernels: draft 3, ngram 3; run 1:
+k, the best one found by bench/speculative.py (run 2, native kernels: draft 3, ngram 3,
 layer_skip 1).
 
 Speedup = (tokens / seconds of the config) / (tokens / seconds of plain) over the category's
@@ -16,8 +16,14 @@ prompts, prefill included (Spec-Bench's definition). tau = generated tokens afte
 target decoding step (plain = 1.00; Spec-Bench's mean accepted tokens). Every output is
 compared with plain's. Each request carries its category as its traffic segment (the adaptive
 controller keeps acceptance and length statistics per segment, as the server does for a request's
-`segment` field). Results are saved after every config (bench/results/<name>-partial.json);
-`--report-only` writes the report from that file.
+`segment` field).
+
+Interleaved (the default since run 6): one LLM per config, and every prompt runs under each config
+in turn, so this machine's drift (10-15% over tens of minutes) falls on all configs alike; in run 5,
+run config after config, the draft model measured 1.16x on summarization with 6 drafts over its 8
+requests: the machine ran at different speeds under the two. `--sequential` runs config after config.
+Results are saved as they come (bench/results/<name>-partial.json); `--report-only` writes the
+report from that file.
 """
 
 from __future__ import annotations
@@ -65,19 +71,43 @@ def workload(llm: LLM, per_category: int, humaneval: int) -> list[tuple[str, str
     return items
 
 
+def run_request(llm: LLM, category: str, prompt: str, params: SamplingParams) -> dict:
+    start = time.perf_counter()
+    output = llm.generate(prompt, params, segment=category)[0]
+    seconds = time.perf_counter() - start
+    spec = output.metrics.spec
+    return {"category": category, "seconds": seconds, "tokens": len(output.token_ids),
+            "token_ids": output.token_ids, "num_drafts": spec.num_drafts if spec else 0,
+            "num_plain_steps": spec.num_plain_steps if spec else 0,
+            "num_draft_tokens": spec.num_draft_tokens if spec else 0,
+            "num_accepted_tokens": spec.num_accepted_tokens if spec else 0}
+
+
 def run_config(llm: LLM, items: list[tuple[str, str]], params: SamplingParams) -> list[dict]:
-    results = []
-    for category, prompt in items:
-        start = time.perf_counter()
-        output = llm.generate(prompt, params, segment=category)[0]
-        seconds = time.perf_counter() - start
-        spec = output.metrics.spec
-        results.append({"category": category, "seconds": seconds, "tokens": len(output.token_ids),
-                        "token_ids": output.token_ids, "num_drafts": spec.num_drafts if spec else 0,
-                        "num_plain_steps": spec.num_plain_steps if spec else 0,
-                        "num_draft_tokens": spec.num_draft_tokens if spec else 0,
-                        "num_accepted_tokens": spec.num_accepted_tokens if spec else 0})
+    return [run_request(llm, category, prompt, params) for category, prompt in items]
+
+
+def run_interleaved(llms: dict[str, LLM], items: list[tuple[str, str]], params: SamplingParams,
+                    partial: Path) -> dict[str, list[dict]]:
+    """Prompt by prompt, every config in turn (the starting config rotating), each with its own LLM:
+    the machine's drift over the run then falls on every config alike instead of on whichever ran
+    in a slow stretch. Each LLM's controller still sees the prompts in the same order."""
+    names = list(llms)
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    started = time.perf_counter()
+    for i, (category, prompt) in enumerate(items):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            results[name].append(run_request(llms[name], category, prompt, params))
+        print(f"{i + 1}/{len(items)} prompts, {time.perf_counter() - started:.0f} s", flush=True)
+        partial.write_text(json.dumps(results))
     return results
+
+
+def config_spec(name: str) -> dict | None:
+    spec = CONFIGS[name]
+    if spec is not None and spec.get("adaptive", True):
+        spec = {**spec, "num_speculative_tokens": ADAPTIVE_K}
+    return spec
 
 
 def summarize(results: dict[str, list[dict]]) -> tuple[str, dict]:
@@ -120,6 +150,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--sequential", action="store_true",
+                        help="one config after another on one LLM (runs 1-5) instead of prompt by prompt")
     parser.add_argument("--name", default="adaptive", help="BENCHMARKS.md section and results file")
     args = parser.parse_args()
     partial = RESULTS / f"{args.name}-partial.json"
@@ -129,21 +161,29 @@ def main() -> None:
         command += f" --configs '{args.configs}'"
     if args.name != "adaptive":
         command += f" --name {args.name}"
+    if args.sequential:
+        command += " --sequential"
     results: dict[str, list[dict]] = json.loads(partial.read_text()) if args.report_only else {}
-    if not args.report_only:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    if not args.report_only and not args.sequential:
+        # one LLM per config (~1.6 GB each with the int4 target); an adaptive config measures its
+        # cost model on construction (cached on disk)
+        llms = {name: LLM("qwen2.5-coder-1.5b", speculative=config_spec(name), max_num_seqs=1, max_model_len=4096,
+                          progress=False) for name in args.configs.split(",")}
+        items = workload(next(iter(llms.values())), args.per_category, args.humaneval)
+        for llm in llms.values():
+            llm.generate(items[0][1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        results = run_interleaved(llms, items, params, partial)
+    elif not args.report_only:
         llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=1, max_model_len=4096, progress=False)
         items = workload(llm, args.per_category, args.humaneval)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         for name in args.configs.split(","):
-            spec = CONFIGS[name]
-            if spec is not None and spec.get("adaptive", True):
-                spec = {**spec, "num_speculative_tokens": ADAPTIVE_K}
-            llm.set_speculative(spec, progress=False)  # an adaptive config measures its cost model here (cached)
+            llm.set_speculative(config_spec(name), progress=False)  # an adaptive config measures its cost model here
             llm.generate(items[0][1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
             started = time.perf_counter()
             results[name] = run_config(llm, items, params)
             print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
-            RESULTS.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps(results))
     body, summary = summarize(results)
     counts = defaultdict(int)
@@ -151,7 +191,10 @@ def main() -> None:
         counts[r["category"]] += 1
     intro = (f"Greedy, batch 1, up to {args.max_tokens} new tokens (EOS ends a request), default weights. Prompts: "
              + ", ".join(f"{c} {n}" for c, n in counts.items())
-             + f". Adaptive configs: k <= {ADAPTIVE_K}, chosen per step. Speedup over plain decoding, prefill included:\n\n")
+             + f". Adaptive configs: k <= {ADAPTIVE_K}, chosen per step. "
+             + ("Configs one after another. " if args.sequential else
+                "Interleaved: each prompt runs under every config in turn (one LLM per config). ")
+             + "Speedup over plain decoding, prefill included:\n\n")
     write_section(args.name, command, intro + body, summary)
     print(intro + body)
 

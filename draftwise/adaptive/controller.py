@@ -41,12 +41,13 @@ s = C(0) - C(k)/E(k) seconds per token) until what was forgone, s times the toke
 far, reaches the price of "buying" (the catch-up time), then buy; that never costs more than twice
 the best choice in hindsight. A probe that needs a catch-up obeys the same horizon.
 
-Both rules buy only once the saving reaches CATCH_UP_MARGIN = 2 times the catch-up (the ski-rental
-bound becomes 3x). The saving is estimated from an acceptance estimate that starts optimistic, and
-short answers (translation, QA: ~20 tokens) leave little room to earn a catch-up back. In a replay
-of the adaptive benchmark's mix on this machine's cost model (per-category lengths and acceptance
-from its run 3), a margin of 1 lost 3-4% on translation and QA, a margin of 2 lost 0-2%, and the
-whole mix gained 1.08-1.13x either way (within 0.01).
+Both rules buy once the saving reaches CATCH_UP_MARGIN times the catch-up. A margin of 2 was
+tried (adaptive run 5) and dropped: it protects short answers (in a replay of the benchmark's mix
+with i.i.d. acceptance, margin 1 lost 3-4% on translation and QA, margin 2 lost 0-2%), but it also
+stops learning. On HumanEval the first request happened to accept 5 of 11 drafts, and the next
+ten requests (up to 128 tokens) never drafted, although the draft model is accepted 83-90% there.
+Replaying such a first request (two of its drafts rejected at the first position): at margin 2 a
+128-token request never buys the catch-up; at margin 1 it buys after 41 tokens and finds out.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field
 
 from draftwise.adaptive.cost_model import CostModel
 
-CATCH_UP_MARGIN = 2.0  # buy once the forgone (or expected) saving reaches this many times the catch-up cost
+CATCH_UP_MARGIN = 1.0  # buy once the forgone (or expected) saving reaches this many times the catch-up cost
 PRIOR_ACCEPTANCE = 0.8  # before anything is seen: optimistic, so that a first draft finds out
 PRIOR_STRENGTH = 8  # the long-run mean starts as the prior worth this many observations
 EMA_WEIGHT = 0.2
