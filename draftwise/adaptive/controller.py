@@ -24,7 +24,8 @@ few plain steps, one that never pays stays off. The same holds per position: a p
 in a step (beyond the k drafted, or after a rejection) drifts toward its long-run mean. Without
 that, one rejection at position 2 makes k = 1 the best choice, position 2 is then never tried, and
 its low estimate never recovers: a replay of the controller on this machine's cost model with
-i.i.d. acceptance 0.8 (where k = 2 is best) settled on k = 1 with position 2 estimated at 0.51. That one also gets probes: one drafted token after
+i.i.d. acceptance 0.8 (where k = 2 is best) settled on k = 1 with position 2 estimated at 0.51.
+A drafter that never pays also gets probes: one drafted token after
 `interval` plain steps. The first interval is chosen so that probing costs at most 2% of the time
 (a probe costs C(1) - C(0) more than a plain step); a rejected probe doubles it (up to 4x), and it
 returns to the first interval once the estimate favours drafting again. A probe that finds nothing

@@ -239,13 +239,13 @@ def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptio
             measured, predicted = run["tokens_per_s"], plan.predictions[name][index]
             if method == "plain":
                 plain_measured, plain_predicted = measured, predicted["tokens_per_second"]
+            measured_speedup = measured / plain_measured
+            predicted_speedup = predicted["tokens_per_second"] / plain_predicted
             rows.append({"config": name, "concurrency": c, "measured_tokens_per_second": measured,
                          "predicted_tokens_per_second": predicted["tokens_per_second"],
                          "error": predicted["tokens_per_second"] / measured - 1,
-                         "measured_speedup": measured / plain_measured,
-                         "predicted_speedup": predicted["tokens_per_second"] / plain_predicted,
-                         "speedup_error": (predicted["tokens_per_second"] / plain_predicted)
-                         / (measured / plain_measured) - 1,
+                         "measured_speedup": measured_speedup, "predicted_speedup": predicted_speedup,
+                         "speedup_error": predicted_speedup / measured_speedup - 1,
                          "measured_latency_p95": run["p95"], "predicted_latency_p95": predicted["latency_p95"]})
     return rows
 
