@@ -5,8 +5,10 @@
 Closed loop through the continuous-batching engine (`LLM.add_request` / `LLM.step`): at
 concurrency c there are always c requests in flight (a finished one is replaced by the next
 prompt at once) until `--requests` have finished. Prompts: Spec-Bench first turns (2 per
-category, in the chat template) and HumanEval prompts, the same for every config and level.
-Greedy, default weights. Reported per config and level: total generated tokens per second over
+category, in the chat template) and HumanEval prompts, the same for every config and level, each
+request carrying its category as its traffic segment. Level by level, every config in turn (the
+first one rotating), each config with its own LLM, so the machine's drift falls on every config
+alike. Greedy, default weights. Reported per config and level: total generated tokens per second over
 the level's wall time, the speedup over plain decoding at the same level, per-request latency
 (arrival to last token) p50 / p95, and whether every output equals plain decoding's. Writes
 BENCHMARKS.md's `concurrency` section and a plot (bench/plots/concurrency.png).
@@ -54,7 +56,8 @@ def report(results: dict, levels: list[int], args: argparse.Namespace) -> str:
             rows.append([name, c, f"{point['tokens_per_s']:.1f}", f"{point['tokens_per_s'] / base['tokens_per_s']:.2f}x",
                          f"{point['p50']:.1f}", f"{point['p95']:.1f}", f"{equal}/{len(base['outputs'])}"])
     return (f"{args.requests} requests per level (Spec-Bench 2 per category + HumanEval), greedy, up to "
-            f"{args.max_tokens} new tokens, default weights; c requests in flight at all times.\n\n"
+            f"{args.max_tokens} new tokens, default weights; c requests in flight at all times, each labelled with "
+            "its category as its traffic segment. Level by level, the configs in turn (one LLM each).\n\n"
             + table(["config", "concurrency", "tokens/s", "vs plain", "p50 latency s", "p95 latency s",
                      "outputs = plain"], rows)
             + f"\n\n![throughput and p95 latency vs concurrency](bench/plots/{PLOT.name})\n")
@@ -72,15 +75,20 @@ def main() -> None:
     partial = RESULTS / "concurrency-partial.json"
     results: dict = json.loads(partial.read_text()) if args.report_only else {}
     if not args.report_only:
-        llm = LLM("qwen2.5-coder-1.5b", max_num_seqs=max(levels), max_model_len=2048, progress=False)
-        prompts = [prompt for _, prompt in workload(llm, 2, 4)][:args.requests]
-        for name in args.configs.split(","):
-            llm.set_speculative(CONFIGS[name], progress=False)
+        names = args.configs.split(",")
+        # one LLM per config (~1.6 GB each with the int4 target); an adaptive config measures its
+        # cost model on construction (cached on disk)
+        llms = {name: LLM("qwen2.5-coder-1.5b", speculative=CONFIGS[name], max_num_seqs=max(levels),
+                          max_model_len=2048, progress=False) for name in names}
+        items = workload(next(iter(llms.values())), 2, 4)[:args.requests]
+        prompts, segments = [prompt for _, prompt in items], [category for category, _ in items]
+        for llm in llms.values():
             llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-            results[name] = {}
-            for c in levels:
-                results[name][str(c)] = run_closed_loop(llm, prompts, [args.max_tokens] * len(prompts), c)
-                point = results[name][str(c)]
+        results = {name: {} for name in names}
+        for i, c in enumerate(levels):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                point = run_closed_loop(llms[name], prompts, [args.max_tokens] * len(prompts), c, segments=segments)
+                results[name][str(c)] = point
                 print(f"{name} c={c}: {point['tokens_per_s']:.1f} tok/s, p95 {point['p95']:.1f} s", flush=True)
                 RESULTS.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps(results))

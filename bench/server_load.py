@@ -7,7 +7,9 @@ Starts the server (loopback only, default models, `--method draft`: adaptive spe
 closed loop, each streaming one completion after another until `--requests` have finished (and never
 past `--time-limit` seconds per level). The same server serves both configs: speculation on is the
 server's default, off is the per-request `"speculative": {"enabled": false}`. Prompts: Spec-Bench
-first turns (2 per category, in the chat template) and HumanEval prompts, greedy.
+first turns (2 per category, in the chat template) and HumanEval prompts, greedy, each request
+carrying its category as its traffic segment. At each client count the two configs run one after the
+other, the first alternating between counts.
 
 Reported per config and client count: generated tokens per second over the level's wall time (and
 relative to off at the same count), time to first token p50 / p95, request latency p50 / p95, the
@@ -65,9 +67,12 @@ async def wait_ready(base: str, server: subprocess.Popen, timeout: float = 600) 
     raise RuntimeError("server did not become ready")
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, speculative: dict | None) -> dict:
+async def one_request(client, model: str, prompt: str, max_tokens: int, speculative: dict | None,
+                      segment: str | None = None) -> dict:
     """Stream one completion; time to first token, gaps between content chunks, the text."""
     extra = {"speculative": speculative} if speculative is not None else {}
+    if segment is not None:
+        extra["segment"] = segment
     started = time.perf_counter()
     first, last, gaps, pieces, tokens = None, None, [], [], 0
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
@@ -90,20 +95,20 @@ async def one_request(client, model: str, prompt: str, max_tokens: int, speculat
             "tokens": tokens, "complete": finish in ("stop", "length")}
 
 
-async def run_level(base: str, model: str, prompts: list[str], clients: int, args, speculative) -> dict:
+async def run_level(base: str, model: str, items: list[tuple[str, str]], clients: int, args, speculative) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=args.time_limit)
-    queue = list(enumerate(prompts))
+    queue = list(enumerate(items))
     results: dict[int, dict] = {}
     errors: list[str] = []
     deadline = time.monotonic() + args.time_limit
 
     async def worker() -> None:
         while queue and time.monotonic() < deadline:
-            index, prompt = queue.pop(0)
+            index, (segment, prompt) = queue.pop(0)
             try:
-                results[index] = await one_request(client, model, prompt, args.max_tokens, speculative)
+                results[index] = await one_request(client, model, prompt, args.max_tokens, speculative, segment)
             except Exception as error:  # counted and reported, never hidden
                 errors.append(f"{type(error).__name__}: {error}")
 
@@ -128,8 +133,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def prompts_for(count: int) -> list[str]:
-    """The concurrency benchmark's prompts (`workload` only needs the tokenizer's chat template)."""
+def prompts_for(count: int) -> list[tuple[str, str]]:
+    """(category, prompt): the concurrency benchmark's prompts (`workload` only needs the tokenizer's
+    chat template). Each request carries its category as its traffic segment."""
     from types import SimpleNamespace
 
     from bench.adaptive import workload
@@ -137,7 +143,7 @@ def prompts_for(count: int) -> list[str]:
     from draftwise.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(resolve_model("qwen2.5-coder-1.5b", progress=False))
-    return [prompt for _, prompt in workload(SimpleNamespace(tokenizer=tokenizer), 2, 4)][:count]
+    return workload(SimpleNamespace(tokenizer=tokenizer), 2, 4)[:count]
 
 
 def report(results: dict, levels: list[int], args) -> str:
@@ -163,7 +169,7 @@ def report(results: dict, levels: list[int], args) -> str:
 
 async def main_async(args) -> dict:
     levels = [int(c) for c in args.clients.split(",")]
-    prompts = prompts_for(args.requests)
+    items = prompts_for(args.requests)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = start_server(port, max(levels))
@@ -176,10 +182,11 @@ async def main_async(args) -> dict:
         model = models.data[0].id
         warm = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused")
         for speculative in CONFIGS.values():  # warm-up: the cost-model profile, the drafter's first call
-            await one_request(warm, model, prompts[0], 8, speculative)
-        for c in levels:
-            for name, speculative in CONFIGS.items():
-                results[name][str(c)] = await run_level(base, model, prompts, c, args, speculative)
+            await one_request(warm, model, items[0][1], 8, speculative)
+        names = list(CONFIGS)
+        for i, c in enumerate(levels):  # the config that goes first alternates, so drift falls on both
+            for name in names[i % 2:] + names[:i % 2]:
+                results[name][str(c)] = await run_level(base, model, items, c, args, CONFIGS[name])
                 point = results[name][str(c)]
                 print(f"{name} c={c}: {point['tokens_per_s']:.1f} tok/s, TTFT p95 {point['ttft_p95']:.2f} s, "
                       f"errors {len(point['errors'])}", flush=True)
