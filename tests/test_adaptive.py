@@ -263,6 +263,40 @@ def test_a_batch_lowers_k_and_turns_speculation_off_when_it_would_lose():
     assert model.batch_step_seconds([solo[0]]) == model.step_seconds(solo[0])  # one row: the solo model
 
 
+def test_in_a_batch_a_catch_up_must_pay_for_every_row_that_waits():
+    """A catch-up worth buying for a request alone is not worth stalling 8 rows for; a long
+    enough request buys it in a batch too."""
+    model = costs(catch_up=0.005)
+    saving = model.step_seconds(0) - model.step_seconds(4) / expected_tokens([0.9] * 4, 4)
+    horizon = 2 * model.catch_up_seconds(100) / saving  # earns the catch-up back twice, alone
+
+    def choose(rows, tokens_left):
+        controller = GoodputController(model, 4, AcceptanceEstimate.prior(4, 0.9))
+        return controller.choose(lag=100, tokens_left=10_000, expected_left=tokens_left, batch_rows=rows)
+
+    assert choose(1, horizon) > 0
+    assert choose(8, horizon) == 0
+    assert choose(8, 5 * horizon) > 0
+
+
+def test_the_engine_counts_every_row_of_the_step_as_waiting():
+    """Plain rows and other drafters' rows wait for a catch-up too: the policy hears the step's size."""
+    from types import SimpleNamespace
+
+    from draftwise.adaptive.policy import AdaptiveLength
+
+    policy = AdaptiveLength(costs(catch_up=0.005), 4)
+    policy.overall.lengths.extend([300] * 8)  # requests run ~300 tokens
+    seq = SimpleNamespace(request_id="a", params=SimpleNamespace(seed=None, greedy=True),
+                          num_tokens_left=1000, output_ids=[0] * 10)
+    assert policy.num_tokens([seq], [100]) != [0]
+    assert policy.num_tokens([seq], [100], batch_size=16) == [0]
+    # A seeded request decides from itself alone, so its output does not depend on its batch.
+    seeded = SimpleNamespace(request_id="s", params=SimpleNamespace(seed=3, greedy=False),
+                             num_tokens_left=1000, output_ids=[0] * 400)
+    assert policy.num_tokens([seeded], [100], batch_size=16) == policy.num_tokens([seeded], [100]) != [0]
+
+
 def test_each_traffic_segment_keeps_its_own_memory():
     """Short translations teach the translation segment not to pay a catch-up; code, in its own
     segment, still does; unlabelled requests use the overall memory, which every request feeds."""

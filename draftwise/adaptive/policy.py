@@ -16,9 +16,10 @@ MAX_SEGMENTS = 32
 
 
 class DraftLengthPolicy(Protocol):
-    def num_tokens(self, seqs: list[Sequence], lags: list[int]) -> list[int]:
+    def num_tokens(self, seqs: list[Sequence], lags: list[int], batch_size: int | None = None) -> list[int]:
         """Tokens to draft for each row of this step's batch (0: a plain step for that row);
-        lags: the drafter's backlog per row."""
+        lags: the drafter's backlog per row; batch_size: the step's rows, other drafters' and
+        plain ones included (None: just `seqs`)."""
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """What the verification of this step's draft gave."""
@@ -31,7 +32,7 @@ class FixedLength:
     def __init__(self, num_tokens: int) -> None:
         self.k = num_tokens
 
-    def num_tokens(self, seqs: list[Sequence], lags: list[int]) -> list[int]:
+    def num_tokens(self, seqs: list[Sequence], lags: list[int], batch_size: int | None = None) -> list[int]:
         return [self.k] * len(seqs)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
@@ -100,15 +101,18 @@ class AdaptiveLength:
                 start_interval=None if seeded else memory.interval)
         return self._controllers[seq.request_id]
 
-    def num_tokens(self, seqs: list[Sequence], lags: list[int]) -> list[int]:
-        choices = [self._solo(seq, lag) for seq, lag in zip(seqs, lags)]
+    def num_tokens(self, seqs: list[Sequence], lags: list[int], batch_size: int | None = None) -> list[int]:
+        rows = batch_size or len(seqs)
+        choices = [self._solo(seq, lag, rows) for seq, lag in zip(seqs, lags)]
         return self._fit_to_batch(seqs, choices) if len(seqs) > 1 and any(choices) else choices
 
-    def _solo(self, seq: Sequence, lag: int) -> int:
+    def _solo(self, seq: Sequence, lag: int, batch_rows: int) -> int:
+        """The row's own choice; a catch-up must pay for every row of the batch that waits for it."""
         generated = len(seq.output_ids)
-        # A seeded request decides from itself alone (see `controller`).
-        expected = None if seq.params.seed is not None else self.memory(seq).expected_tokens_left(generated)
-        return self.controller(seq).choose(lag, seq.num_tokens_left, generated, expected)
+        if seq.params.seed is not None:  # a seeded request decides from itself alone (see `controller`)
+            return self.controller(seq).choose(lag, seq.num_tokens_left, generated)
+        expected = self.memory(seq).expected_tokens_left(generated)
+        return self.controller(seq).choose(lag, seq.num_tokens_left, generated, expected, batch_rows)
 
     def _fit_to_batch(self, seqs: list[Sequence], choices: list[int]) -> list[int]:
         """Each row's own choice assumed a step of its own; in a batch every drafted token adds

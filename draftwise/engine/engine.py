@@ -102,7 +102,7 @@ class Engine:
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
-            choices = drafter.draft_length.num_tokens(seqs, [drafter.proposer.lag(seq) for seq in seqs])
+            choices = drafter.draft_length.num_tokens(seqs, [drafter.proposer.lag(seq) for seq in seqs], len(batch))
             # Never draft past what the request may still emit: the verification adds one token.
             num_tokens = [max(0, min(k, seq.num_tokens_left - 1, seq.max_draft_tokens or k))
                           for k, seq in zip(choices, seqs)]
