@@ -59,7 +59,7 @@ class CyclingLength:
     def __init__(self, pattern):
         self.pattern, self.step = pattern, 0
 
-    def num_tokens(self, seqs, lags):
+    def num_tokens(self, seqs, lags, batch_size=None):
         self.step += 1
         return [self.pattern[(self.step + b) % len(self.pattern)] for b in range(len(seqs))]
 
