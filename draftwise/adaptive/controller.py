@@ -167,11 +167,14 @@ class GoodputController:
         self._probing = False
         guess = expected_left if expected_left is not None else generated
         horizon = min(x for x in (tokens_left, guess, math.inf) if x is not None)
-        if k and not self._earns_back(rates, k, lag, horizon, batch_rows):
+        # In a batch every row waits for one row's catch-up: B rows lose its time each, while the
+        # saving is the drafting row's alone (row-seconds on both sides).
+        catch_up = self.costs.catch_up_seconds(lag) * batch_rows
+        if k and not self._earns_back(rates, k, catch_up, horizon):
             k = 0
         elif k == 0:
             self._plain_steps += 1
-            if self._plain_steps >= self._interval and self._probe_is_cheap(lag, horizon, batch_rows):
+            if self._plain_steps >= self._interval and self._probe_is_cheap(catch_up, horizon):
                 self._plain_steps, self._probing = 0, True
                 return 1
         else:
@@ -180,19 +183,16 @@ class GoodputController:
             self.estimate.drift()
         return k
 
-    def _earns_back(self, rates: list[float], k: int, lag: int, horizon: float, batch_rows: int) -> bool:
-        """In a batch every row waits for one row's catch-up: B rows lose its time each, while the
-        saving is the drafting row's alone (row-seconds on both sides)."""
-        catch_up = self.costs.catch_up_seconds(lag) * batch_rows
+    def _earns_back(self, rates: list[float], k: int, catch_up: float, horizon: float) -> bool:
         if catch_up == 0:
             return True
         saving_per_token = self.costs.step_seconds(0) - self.costs.step_seconds(k) / expected_tokens(rates, k)
         return saving_per_token * horizon >= CATCH_UP_MARGIN * catch_up
 
-    def _probe_is_cheap(self, lag: int, horizon: float, batch_rows: int) -> bool:
-        """A probe that must first absorb a backlog may cost (times the rows waiting for it) at
-        most a tenth of the plain decoding time of the horizon."""
-        return self.costs.catch_up_seconds(lag) * batch_rows <= 0.1 * horizon * self.costs.step_seconds(0)
+    def _probe_is_cheap(self, catch_up: float, horizon: float) -> bool:
+        """A probe that must first absorb a backlog may cost (in row-seconds) at most a tenth of
+        the plain decoding time of the horizon."""
+        return catch_up <= 0.1 * horizon * self.costs.step_seconds(0)
 
     @property
     def interval(self) -> int:
