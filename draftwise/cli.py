@@ -209,27 +209,31 @@ def _bench(args) -> None:
     from draftwise import LLM, SamplingParams
     from draftwise.benchmark.datasets import load_prompts
     from draftwise.benchmark.report import markdown, write_outputs
-    from draftwise.benchmark.runner import parse_config, run_benchmark, summarize
+    from draftwise.benchmark.runner import draftwise_configs, parse_config, run_benchmark, summarize
 
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
         parse_config(config)  # a typo fails before any model loads
     if args.per_category < 1 or args.max_tokens < 1:
         raise InvalidParameterError("--per-category and --max-tokens must be positive")
-    llm = LLM(args.model, max_num_seqs=1, progress=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    print(f"loading the target for plain and {len(configs)} configs" + (" and the hf peers" if args.peers else ""),
+          file=sys.stderr, flush=True)
+    contestants = draftwise_configs(lambda: LLM(args.model, max_num_seqs=1, progress=False), configs, params,
+                                    draft_model=args.draft, layers=args.layers)
+    tokenizer = contestants[0].llm.tokenizer
     prompts = []
     for dataset in args.dataset or ["spec-bench", "humaneval"]:
-        prompts += load_prompts(dataset, llm.tokenizer, per_category=args.per_category, all_turns=args.all_turns,
+        prompts += load_prompts(dataset, tokenizer, per_category=args.per_category, all_turns=args.all_turns,
                                 max_tokens=args.max_tokens, seed=args.seed)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    results = run_benchmark(llm, prompts, configs, params, draft_model=args.draft, layers=args.layers)
     if args.peers == "hf":
-        from draftwise.benchmark.peers import run_hf_peers
+        from draftwise.benchmark.peers import hf_configs
 
-        results += run_hf_peers(args.model, args.draft, prompts, args.max_tokens)
+        contestants += hf_configs(args.model, args.draft, args.max_tokens)
+    results = run_benchmark(contestants, prompts)
     summary = summarize(results)
     header = (f"{args.model}: {len(prompts)} prompts, up to {args.max_tokens} tokens, temperature "
-              f"{args.temperature}, seed {args.seed}, batch 1.")
+              f"{args.temperature}, seed {args.seed}, batch 1, configs interleaved prompt by prompt.")
     paths = write_outputs(results, summary, Path(args.output), header)
     print(markdown(summary, header))
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")

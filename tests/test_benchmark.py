@@ -9,7 +9,7 @@ import torch
 from draftwise import LLM, SamplingParams
 from draftwise.benchmark.datasets import load_prompts
 from draftwise.benchmark.report import markdown, write_outputs
-from draftwise.benchmark.runner import parse_config, run_benchmark, summarize
+from draftwise.benchmark.runner import RequestResult, draftwise_configs, parse_config, run_benchmark, summarize
 from draftwise.errors import InvalidParameterError
 from draftwise.spec.verify import VerifyResult, verify
 
@@ -20,15 +20,19 @@ def prompts(tmp_path, tiny_qwen):
     rows = [{"prompt": "def add(a, b):", "category": "code"}, {"prompt": "for i in range(3):", "category": "code"},
             {"messages": [{"role": "user", "content": "hello"}], "category": "chat"}]
     traffic.write_text("\n".join(json.dumps(r) for r in rows))
-    llm = LLM(str(tiny_qwen), max_num_seqs=1, max_model_len=256, progress=False)
-    return llm, load_prompts(str(traffic), llm.tokenizer, per_category=5)
+    def make_llm():
+        return LLM(str(tiny_qwen), max_num_seqs=1, max_model_len=256, progress=False)
+
+    return make_llm, load_prompts(str(traffic), make_llm().tokenizer, per_category=5)
 
 
 def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path):
-    llm, items = prompts
+    make_llm, items = prompts
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    results = run_benchmark(llm, items, ["ngram:k=2", "draft:k<=3", "draft:k=1"], params,
-                            draft_model=str(tiny_qwen), progress=False)
+    contestants = draftwise_configs(make_llm, ["ngram:k=2", "draft:k<=3", "draft:k=1"], params,
+                                    draft_model=str(tiny_qwen))
+    assert len({id(c.llm) for c in contestants}) == 4  # one LLM per config
+    results = run_benchmark(contestants, items, progress=False)
     summary = summarize(results)
     assert list(summary) == ["plain", "ngram:k=2", "draft:k<=3", "draft:k=1"]
     assert set(summary["plain"]) == {"code", "chat", "all"}
@@ -58,9 +62,10 @@ def test_equality_check_flags_a_diverging_config(prompts, random_draft, monkeypa
         return VerifyResult(output, num_draft.clone())
 
     monkeypatch.setattr("draftwise.engine.engine.verify", accept_everything)
-    llm, items = prompts
-    results = run_benchmark(llm, items, ["draft:k=3"], SamplingParams(temperature=0.0, max_tokens=12),
-                            draft_model=str(random_draft), progress=False)
+    make_llm, items = prompts
+    contestants = draftwise_configs(make_llm, ["draft:k=3"], SamplingParams(temperature=0.0, max_tokens=12),
+                                    draft_model=str(random_draft))
+    results = run_benchmark(contestants, items, progress=False)
     summary = summarize(results)
     assert summary["plain"]["all"]["equal_to_plain"] == 3
     assert summary["draft:k=3"]["all"]["equal_to_plain"] < 3
@@ -81,14 +86,38 @@ def test_config_syntax():
 def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts):
     """transformers on the tiny GGUF: plain, assistant and prompt lookup agree with HF's own plain decoding."""
     pytest.importorskip("transformers")
-    from draftwise.benchmark.peers import run_hf_peers
+    from draftwise.benchmark.peers import hf_configs
 
-    llm, items = prompts
-    ours = run_benchmark(llm, items, [], SamplingParams(temperature=0.0, max_tokens=8), progress=False)
-    peers = run_hf_peers(str(tiny_qwen_gguf), str(tiny_qwen_gguf), items, 8, progress=False)
-    summary = summarize(ours + peers)
+    make_llm, items = prompts
+    ours = draftwise_configs(make_llm, [], SamplingParams(temperature=0.0, max_tokens=8))
+    peers = hf_configs(str(tiny_qwen_gguf), str(tiny_qwen_gguf), 8)
+    summary = summarize(run_benchmark(ours + peers, items, progress=False))
     assert list(summary) == ["plain", "hf plain", "hf prompt lookup", "hf assistant"]
     for name in ("hf plain", "hf prompt lookup", "hf assistant"):
         assert summary[name]["all"]["equal_to_plain"] == 3, name
         assert summary[name]["all"]["tau"] is None and summary[name]["all"]["tokens_per_s"] > 0
     assert "| hf assistant |" in markdown(summary)
+
+
+def test_configs_run_interleaved_prompt_by_prompt_with_the_first_rotating():
+    """The machine drifts over a run; every prompt runs under every config before the next prompt."""
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.reference = name, "a"
+
+        def warm_up(self, prompt):
+            calls.append(("warm-up", self.name))
+
+        def run(self, category, prompt):
+            calls.append((prompt, self.name))
+            return RequestResult(category, 1, 1.0, 0.0, [len(calls)], 0)
+
+    items = [("x", "p0"), ("x", "p1"), ("y", "p2")]
+    results = run_benchmark([Recorder("a"), Recorder("b"), Recorder("c")], items, progress=False)
+    assert calls[:3] == [("warm-up", "a"), ("warm-up", "b"), ("warm-up", "c")]
+    assert calls[3:] == [("p0", "a"), ("p0", "b"), ("p0", "c"), ("p1", "b"), ("p1", "c"), ("p1", "a"),
+                         ("p2", "c"), ("p2", "a"), ("p2", "b")]
+    assert [r.name for r in results] == ["a", "b", "c"]
+    assert [[q.category for q in r.requests] for r in results] == [["x", "x", "y"]] * 3

@@ -13,9 +13,10 @@ transformers is an optional dependency (the `test` extra installs it).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from draftwise.benchmark.runner import ConfigResult, RequestResult
+from draftwise.benchmark.runner import RequestResult
 from draftwise.errors import InvalidParameterError
 
 PROMPT_LOOKUP_TOKENS = 10
@@ -47,28 +48,40 @@ def load_hf(model: str):
     return tokenizer, network.eval()
 
 
-def run_hf_peers(target: str, draft: str | None, prompts: list[tuple[str, str]], max_tokens: int,
-                 progress: bool = True) -> list[ConfigResult]:
-    import torch
-    from tqdm import tqdm
+@dataclass(slots=True)
+class HFConfig:
+    """One transformers config: `generate()` with `extra` arguments, greedy, batch 1."""
+    name: str
+    tokenizer: object
+    model: object
+    extra: dict
+    max_tokens: int
+    reference: str = "hf plain"
 
-    tokenizer, model = load_hf(target)
-    configs: dict[str, dict] = {"hf plain": {}, "hf prompt lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}
-    if draft is not None:
-        configs["hf assistant"] = {"assistant_model": load_hf(draft)[1]}
-    results = []
-    for name, extra in configs.items():
-        result = ConfigResult(name, reference="hf plain")
-        warm = tokenizer(prompts[0][1], return_tensors="pt")
+    def warm_up(self, prompt: str) -> None:
+        self._generate(prompt, 4)
+
+    def run(self, category: str, prompt: str) -> RequestResult:
+        started = time.perf_counter()
+        new = self._generate(prompt, self.max_tokens)
+        seconds = time.perf_counter() - started  # tokenizing included, as draftwise's seconds include it
+        return RequestResult(category, len(new), seconds, float("nan"), new, 0)
+
+    def _generate(self, prompt: str, max_tokens: int) -> list[int]:
+        import torch
+
+        inputs = self.tokenizer(prompt, return_tensors="pt")
         with torch.inference_mode():
-            model.generate(**warm, max_new_tokens=4, do_sample=False, **extra)
-        for category, prompt in tqdm(prompts, desc=name, disable=not progress, leave=False):
-            inputs = tokenizer(prompt, return_tensors="pt")
-            started = time.perf_counter()
-            with torch.inference_mode():
-                output = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **extra)
-            seconds = time.perf_counter() - started
-            new = output[0, inputs["input_ids"].shape[1]:].tolist()
-            result.requests.append(RequestResult(category, len(new), seconds, float("nan"), new, 0))
-        results.append(result)
-    return results
+            output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **self.extra)
+        return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def hf_configs(target: str, draft: str | None, max_tokens: int) -> list[HFConfig]:
+    """hf plain, hf prompt lookup and (with a draft model) hf assistant, sharing one loaded target."""
+    tokenizer, model = load_hf(target)
+    configs = [HFConfig("hf plain", tokenizer, model, {}, max_tokens),
+               HFConfig("hf prompt lookup", tokenizer, model, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+                        max_tokens)]
+    if draft is not None:
+        configs.append(HFConfig("hf assistant", tokenizer, model, {"assistant_model": load_hf(draft)[1]}, max_tokens))
+    return configs

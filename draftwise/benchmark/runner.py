@@ -1,9 +1,14 @@
 """`draftwise bench`: plain decoding and speculative configs over the same prompts, in one run.
 
 A config is written `plain`, `METHOD` (adaptive, k <= 8), `METHOD:k=K` (fixed k) or
-`METHOD:k<=K` (adaptive, k <= K); METHOD is draft, ngram or layer_skip. Each config gets a warm-up
-request (the first prompt, 4 tokens: builds the drafter and its cost model) and then every prompt,
-one at a time (batch 1), greedy unless a temperature is given, with the run's seed.
+`METHOD:k<=K` (adaptive, k <= K); METHOD is draft, ngram or layer_skip. Each config gets its own
+LLM (its own drafter, cost model and controller memory) and a warm-up request (the first prompt,
+4 tokens: builds the drafter and its cost model); then every prompt runs once, batch 1, greedy
+unless a temperature is given, with the run's seed. Peers (`peers.py`) run beside them the same way.
+
+Interleaved: prompt by prompt, each prompt runs under every config in turn, the first config
+rotating by one per prompt. This machine's speed drifts by 10-15% over tens of minutes; run config
+after config, the drift falls on one config more than another, and interleaving spreads it over all.
 
 Per request: generated tokens, seconds (arrival to last token, prefill included), time to first
 token, and the speculation counters. Per config and category the report gives tokens/s (tokens
@@ -15,6 +20,7 @@ latency p50/p95, and how many outputs equal plain decoding's.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from draftwise.errors import InvalidParameterError
@@ -64,27 +70,55 @@ def parse_config(text: str, draft_model: str | None = None, layers: int | None =
     return spec
 
 
-def run_benchmark(llm, prompts: list[tuple[str, str]], configs: list[str], params: SamplingParams, *,
-                  draft_model: str | None = None, layers: int | None = None, progress: bool = True) -> list[ConfigResult]:
-    """Every config over every prompt, plain first (the reference every output is compared with)."""
+@dataclass(slots=True)
+class DraftwiseConfig:
+    """One draftwise config on its own LLM: runs a prompt, returns what the report needs."""
+    name: str
+    llm: object  # draftwise.LLM
+    params: SamplingParams
+    reference: str = "plain"
+
+    def warm_up(self, prompt: str) -> None:
+        self.llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+
+    def run(self, category: str, prompt: str) -> RequestResult:
+        output = self.llm.generate(prompt, self.params, segment=category)[0]
+        metrics, spec = output.metrics, output.metrics.spec
+        steps = (spec.num_drafts + spec.num_plain_steps) if spec else 0
+        steps = steps or max(0, len(output.token_ids) - 1)  # plain decoding: one step per token after the first
+        return RequestResult(category, len(output.token_ids), metrics.seconds, metrics.time_to_first_token or 0.0,
+                             list(output.token_ids), steps, asdict(spec) if spec else None)
+
+
+def draftwise_configs(make_llm: Callable[[], object], configs: list[str], params: SamplingParams, *,
+                      draft_model: str | None = None, layers: int | None = None) -> list[DraftwiseConfig]:
+    """Plain first (the reference every output is compared with), then each config; `make_llm()`
+    builds a fresh LLM on the target."""
+    specs = {name: parse_config(name, draft_model, layers) for name in ["plain"] + [c for c in configs if c != "plain"]}
+    contestants = []
+    for name, spec in specs.items():
+        llm = make_llm()
+        llm.set_speculative(spec, progress=False)
+        contestants.append(DraftwiseConfig(name, llm, params))
+    return contestants
+
+
+def run_benchmark(contestants: list, prompts: list[tuple[str, str]], progress: bool = True) -> list[ConfigResult]:
+    """Every contestant (`DraftwiseConfig`, or a peer with the same `name`, `reference`, `warm_up`
+    and `run`) over every prompt, interleaved; one `ConfigResult` per contestant, in their order."""
     from tqdm import tqdm
 
-    ordered = ["plain"] + [c for c in configs if c != "plain"]
-    results = []
-    for name in ordered:
-        llm.set_speculative(parse_config(name, draft_model, layers), progress=False)
-        llm.generate(prompts[0][1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-        result = ConfigResult(name)
-        for category, prompt in tqdm(prompts, desc=name, disable=not progress, leave=False):
-            output = llm.generate(prompt, params, segment=category)[0]
-            metrics = output.metrics
-            spec = metrics.spec
-            steps = (spec.num_drafts + spec.num_plain_steps) if spec else 0
-            steps = steps or max(0, len(output.token_ids) - 1)  # plain decoding: one step per token after the first
-            result.requests.append(RequestResult(category, len(output.token_ids), metrics.seconds,
-                                                 metrics.time_to_first_token or 0.0, list(output.token_ids), steps,
-                                                 asdict(spec) if spec else None))
-        results.append(result)
+    for contestant in contestants:
+        contestant.warm_up(prompts[0][1])
+    results = [ConfigResult(c.name, c.reference) for c in contestants]
+    bar = tqdm(total=len(prompts) * len(contestants), disable=not progress, leave=False, unit="request")
+    for index, (category, prompt) in enumerate(prompts):
+        for turn in range(len(contestants)):
+            which = (index + turn) % len(contestants)
+            bar.set_postfix_str(contestants[which].name)
+            results[which].requests.append(contestants[which].run(category, prompt))
+            bar.update()
+    bar.close()
     return results
 
 
