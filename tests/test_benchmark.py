@@ -40,6 +40,7 @@ def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path):
         assert by_category["all"]["equal_to_plain"] == 3, name
         assert by_category["all"]["requests"] == 3 and by_category["all"]["tokens_per_s"] > 0
     assert summary["plain"]["all"]["speedup"] == 1.0 and summary["plain"]["all"]["tau"] == 1.0
+    assert summary["plain"]["all"]["acceptance_rate"] is None  # no drafter: "-", not 0%
     assert summary["draft:k=1"]["all"]["acceptance_by_position"] == [1.0]  # the target drafting for itself
     assert summary["draft:k=1"]["all"]["tau"] > 1.5
     paths = write_outputs(results, summary, tmp_path / "out", "tiny")
@@ -96,6 +97,7 @@ def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts):
     for name in ("hf plain", "hf prompt lookup", "hf assistant"):
         assert summary[name]["all"]["equal_to_plain"] == 3, name
         assert summary[name]["all"]["tau"] is None and summary[name]["all"]["tokens_per_s"] > 0
+        assert summary[name]["all"]["acceptance_rate"] is None
     assert "| hf assistant |" in markdown(summary)
 
 
@@ -121,3 +123,17 @@ def test_configs_run_interleaved_prompt_by_prompt_with_the_first_rotating():
                          ("p2", "c"), ("p2", "a"), ("p2", "b")]
     assert [r.name for r in results] == ["a", "b", "c"]
     assert [[q.category for q in r.requests] for r in results] == [["x", "x", "y"]] * 3
+
+
+def test_spec_bench_mt_bench_prompts_cover_its_subcategories(tmp_path, monkeypatch, prompts):
+    """The file holds MT-bench in blocks of ten per subcategory; 3 MT-bench prompts must not be 3 writing ones."""
+    make_llm, _ = prompts
+    rows = [{"category": c, "turns": [f"{c} {i}"]} for c in ("writing", "roleplay", "reasoning") for i in range(3)]
+    rows += [{"category": "qa", "turns": [f"qa {i}"]} for i in range(3)]
+    (tmp_path / "spec_bench_question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setenv("DRAFTWISE_DATA", str(tmp_path))
+    chosen = load_prompts("spec-bench", make_llm().tokenizer, per_category=4)
+    assert [c for c, _ in chosen] == ["mt_bench"] * 4 + ["qa"] * 3
+    mt_bench = [prompt for category, prompt in chosen if category == "mt_bench"]
+    for expected, prompt in zip(["writing 0", "roleplay 0", "reasoning 0", "writing 1"], mt_bench):
+        assert expected in prompt

@@ -2,7 +2,8 @@
 
 `spec-bench`: Spec-Bench's questions (spec_bench_question.jsonl), the first turn of each in the
 model's chat template (or every turn joined as one conversation with `all_turns`); its eight MT-bench
-subcategories (writing ... humanities) count as one category, `mt_bench`, as Spec-Bench reports it.
+subcategories (writing ... humanities) count as one category, `mt_bench`, as Spec-Bench reports it,
+taken in turn (the first of each subcategory before any second one).
 `humaneval`: the HumanEval prompts (humaneval.jsonl.gz) as raw code completions.
 Anything else is a path to a JSONL file read as planner traffic (prompt / messages / turns, and a
 segment or category field).
@@ -37,7 +38,7 @@ def load_prompts(dataset: str, tokenizer, *, per_category: int, all_turns: bool 
                  max_tokens: int = 128, seed: int = 0) -> list[tuple[str, str]]:
     """(category, prompt) pairs: the first `per_category` of each category, in file order."""
     if dataset == "spec-bench":
-        rows = _jsonl(data_file(dataset))
+        rows = _mt_bench_in_turn(_jsonl(data_file(dataset)))
         return _first_per_category([(_spec_bench_category(r["category"]), _chat(tokenizer, r["turns"], all_turns))
                                     for r in rows], per_category)
     if dataset == "humaneval":
@@ -46,6 +47,23 @@ def load_prompts(dataset: str, tokenizer, *, per_category: int, all_turns: bool 
 
     items = read_traffic(dataset, tokenizer, sample=10**9, max_tokens=max_tokens, seed=seed)
     return _first_per_category([(item.segment or "all", item.prompt) for item in items], per_category)
+
+
+def _mt_bench_in_turn(rows: list[dict]) -> list[dict]:
+    """MT-bench's questions come in blocks of ten per subcategory; reorder them to take the
+    subcategories in turn (writing 1, roleplay 1, ..., humanities 1, writing 2, ...), so that a few
+    MT-bench prompts cover several subcategories instead of the first few writing questions.
+    Other rows keep their order, after MT-bench's."""
+    rank: dict[str, int] = {}
+    keyed = []
+    for position, row in enumerate(rows):
+        category = row["category"]
+        if category in MT_BENCH:
+            rank[category] = rank.get(category, 0) + 1
+            keyed.append(((0, rank[category], MT_BENCH.index(category)), row))
+        else:
+            keyed.append(((1, position, 0), row))
+    return [row for _, row in sorted(keyed, key=lambda pair: pair[0])]
 
 
 def _spec_bench_category(category: str) -> str:

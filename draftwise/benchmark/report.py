@@ -31,13 +31,17 @@ def markdown(summary: dict, header: str = "") -> str:
     for name in configs:
         a = summary[name]["all"]
         positions = " ".join(f"{p:.2f}" for p in a["acceptance_by_position"]) or "-"
-        lines.append(f"| {name} | {a['tokens_per_s']:.2f} | {a['acceptance_rate']:.0%} | {positions} | "
+        lines.append(f"| {name} | {a['tokens_per_s']:.2f} | {_percent(a['acceptance_rate'])} | {positions} | "
                      f"{_number(a['ttft_p50'])} | {a['latency_p50']:.1f} / {a['latency_p95']:.1f} |")
     return "\n".join(lines)
 
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def write_outputs(results: list[ConfigResult], summary: dict, folder: Path, header: str = "") -> dict[str, Path]:
@@ -70,7 +74,7 @@ def _plots(summary: dict, paths: dict[str, Path]) -> None:
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
     axis.set_ylabel("speedup over plain")
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=7, ncol=min(len(configs), 6), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     _save(figure, paths["speedup_by_category"])
 
     figure, axis = plt.subplots(figsize=(6, 4))
@@ -105,5 +109,5 @@ def _save(figure, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, bbox_inches="tight")  # a legend above the axes included
     plt.close(figure)

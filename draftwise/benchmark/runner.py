@@ -153,7 +153,8 @@ def _figures(mine: list[RequestResult], base: list[RequestResult], reference: li
     return {"requests": len(mine), "tokens": sum(r.tokens for r in mine), "tokens_per_s": speed,
             "speedup": speed / base_speed if base_speed else 0.0,
             "tau": sum(r.tokens - 1 for r in mine) / steps if steps else None,
-            "acceptance_rate": merged.acceptance_rate, "acceptance_by_position": merged.acceptance_rate_per_position,
+            "acceptance_rate": merged.acceptance_rate if merged.num_drafts else None,  # None: nothing drafted
+            "acceptance_by_position": merged.acceptance_rate_per_position,
             "ttft_p50": percentile(ttfts, 0.5) if ttfts else None, "latency_p50": percentile(latencies, 0.5),
             "latency_p95": percentile(latencies, 0.95),
             "equal_to_plain": sum(a.token_ids == b.token_ids for a, b in zip(mine, reference))}
