@@ -28,20 +28,16 @@ from bench.report import table, write_section  # noqa: E402
 from draftwise import LLM, SamplingParams  # noqa: E402
 from draftwise.benchmark.datasets import load_prompts  # noqa: E402
 from draftwise.benchmark.runner import DraftwiseConfig, run_benchmark  # noqa: E402
+from draftwise.planner.plan import module_tensors  # noqa: E402
 
 
 def weight_alignment(llm: LLM, min_bytes: int = 2**20) -> int:
     """The largest power of two (<= 4096) dividing the address of every tensor over `min_bytes`."""
-    import torch
-
     worst = 4096
-    for module in llm.model.modules():
-        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-        for tensor in tensors:
-            if tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() >= min_bytes:
-                address = tensor.data_ptr()
-                worst = min(worst, address & -address if address else 4096)
+    for tensor in module_tensors(llm.model):
+        if tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() >= min_bytes:
+            address = tensor.data_ptr()
+            worst = min(worst, address & -address if address else 4096)
     return worst
 
 

@@ -165,18 +165,22 @@ def _drafter_memory(proposer) -> tuple[int, int]:
     return module_bytes(runner.model), ModelRunner.kv_bytes_per_token(runner.model)
 
 
-def module_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor a model holds: parameters, buffers and packed weights kept as attributes."""
+def module_tensors(model: torch.nn.Module):
+    """Every tensor a model holds, once each: parameters, buffers and packed weights kept as
+    attributes (not those on the meta device)."""
     seen: set[int] = set()
-    total = 0
     for module in model.modules():
         tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
         tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         for tensor in tensors:
             if id(tensor) not in seen and tensor.device.type != "meta":
                 seen.add(id(tensor))
-                total += tensor.numel() * tensor.element_size()
-    return total
+                yield tensor
+
+
+def module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor a model holds (`module_tensors`)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in module_tensors(model))
 
 
 def memory_report(llm, drafters: list[DrafterFacts], requests: list[Request]) -> dict[str, dict]:
