@@ -24,7 +24,7 @@ from bench.report import table, write_section  # noqa: E402
 from draftwise import LLM, SamplingParams  # noqa: E402
 from draftwise.loading.hf_folder import load_model  # noqa: E402
 from draftwise.loading.resolve import resolve_model  # noqa: E402
-from draftwise.model.runner import ModelRunner  # noqa: E402
+from draftwise.runner.model_runner import ModelRunner  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "humaneval.jsonl.gz"
 MODELS = ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]

@@ -10,7 +10,7 @@ def profiles_in_tmp(tmp_path_factory):
     """Cost models measured by tests stay out of the user's cache."""
     import os
 
-    from draftwise.adaptive.profile import PROFILES_ENV
+    from draftwise.speculative.control.profile import PROFILES_ENV
 
     previous = os.environ.get(PROFILES_ENV)
     os.environ[PROFILES_ENV] = str(tmp_path_factory.mktemp("profiles"))

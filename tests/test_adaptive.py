@@ -6,10 +6,10 @@ import math
 import pytest
 
 from draftwise import LLM
-from draftwise.adaptive.controller import (CATCH_UP_MARGIN, AcceptanceEstimate, GoodputController,
+from draftwise.speculative.control.controller import (CATCH_UP_MARGIN, AcceptanceEstimate, GoodputController,
                                            best_num_tokens, expected_tokens)
-from draftwise.adaptive.cost_model import CostModel
-from draftwise.adaptive.profile import profile_path
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.speculative.control.profile import profile_path
 from draftwise.cli import main
 
 
@@ -164,7 +164,7 @@ def test_catch_up_waits_until_the_request_has_proven_long_ski_rental():
 def test_policy_expects_the_tokens_left_from_finished_requests():
     from types import SimpleNamespace
 
-    from draftwise.adaptive.policy import AdaptiveLength
+    from draftwise.speculative.control.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(), 4)
     assert policy.overall.expected_tokens_left(0) is None  # no history yet: ski rental
@@ -225,7 +225,7 @@ def test_rarely_tried_positions_borrow_the_estimate_before_them():
 def test_probing_back_off_carries_over_to_the_next_request():
     from types import SimpleNamespace
 
-    from draftwise.adaptive.policy import AdaptiveLength
+    from draftwise.speculative.control.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(), 4)
     policy.overall.estimate = AcceptanceEstimate.prior(4, 0.05)  # this drafter is useless here
@@ -244,7 +244,7 @@ def test_a_batch_lowers_k_and_turns_speculation_off_when_it_would_lose():
     token, so k comes down, and a large batch takes plain steps."""
     from types import SimpleNamespace
 
-    from draftwise.adaptive.policy import AdaptiveLength
+    from draftwise.speculative.control.policy import AdaptiveLength
 
     # A CPU-like curve: flat up to 4 tokens, then linear in tokens (compute-bound).
     target = {n: 0.070 * max(1.0, n / 4) for n in range(1, 129)}
@@ -283,7 +283,7 @@ def test_the_engine_counts_every_row_of_the_step_as_waiting():
     """Plain rows and other drafters' rows wait for a catch-up too: the policy hears the step's size."""
     from types import SimpleNamespace
 
-    from draftwise.adaptive.policy import AdaptiveLength
+    from draftwise.speculative.control.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(catch_up=0.005), 4)
     policy.overall.lengths.extend([300] * 8)  # requests run ~300 tokens
@@ -302,7 +302,7 @@ def test_each_traffic_segment_keeps_its_own_memory():
     segment, still does; unlabelled requests use the overall memory, which every request feeds."""
     from types import SimpleNamespace
 
-    from draftwise.adaptive.policy import AdaptiveLength
+    from draftwise.speculative.control.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(catch_up=0.005), 4)
 
@@ -327,7 +327,7 @@ def test_a_new_segment_starts_optimistic_whatever_other_traffic_taught():
     """Summaries drove the drafter's overall estimate to ~0; code, a new segment, must still try."""
     from types import SimpleNamespace
 
-    from draftwise.adaptive.policy import AdaptiveLength
+    from draftwise.speculative.control.policy import AdaptiveLength
 
     policy = AdaptiveLength(costs(), 4)
     summary = SimpleNamespace(request_id="s", segment="summarization", params=SimpleNamespace(seed=None, greedy=True),

@@ -4,11 +4,11 @@ whatever the batch, the arrivals, the drafter or the preemptions; KV blocks are 
 import pytest
 
 from draftwise import LLM, SamplingParams
-from draftwise.adaptive.policy import FixedLength
-from draftwise.engine.engine import Drafter
+from draftwise.speculative.control.policy import FixedLength
+from draftwise.speculative.drafter import Drafter
 from draftwise.errors import PromptTooLongError
-from draftwise.model.runner import ModelRunner
-from draftwise.spec.proposer import Draft
+from draftwise.runner.model_runner import ModelRunner
+from draftwise.speculative.proposer import Draft
 
 WORDS = "def add return value print the quick brown fox for range list dict x y z".split()
 # Prompts of mixed lengths (1 to ~40 tokens), some repetitive (prompt lookup finds matches).
@@ -182,5 +182,5 @@ def test_rows_of_different_drafters_and_plain_rows_share_a_batch(tiny_qwen, rand
             assert spec.num_drafts == 0 and spec.num_plain_steps == 0
         if kind == 2:
             assert len(spec.drafted_per_position) <= 2
-    with pytest.raises(Exception, match="needs a draft model"):
+    with pytest.raises(Exception, match="loads a model of its own"):
         build(tiny_qwen, random_draft, "plain").add_request("hi", GREEDY, speculative={"method": "draft"})

@@ -11,7 +11,7 @@ from draftwise.benchmark.datasets import load_prompts
 from draftwise.benchmark.report import markdown, write_outputs
 from draftwise.benchmark.runner import RequestResult, draftwise_configs, parse_config, run_benchmark, summarize
 from draftwise.errors import InvalidParameterError
-from draftwise.spec.verify import VerifyResult, verify
+from draftwise.speculative.verify import VerifyResult, verify
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path):
     make_llm, items = prompts
     params = SamplingParams(temperature=0.0, max_tokens=12)
     contestants = draftwise_configs(make_llm, ["ngram:k=2", "draft:k<=3", "draft:k=1"], params,
-                                    draft_model=str(tiny_qwen))
+                                    {"draft": {"model": str(tiny_qwen)}})
     assert len({id(c.llm) for c in contestants}) == 4  # one LLM per config
     results = run_benchmark(contestants, items, progress=False)
     summary = summarize(results)
@@ -65,7 +65,7 @@ def test_equality_check_flags_a_diverging_config(prompts, random_draft, monkeypa
     monkeypatch.setattr("draftwise.engine.engine.verify", accept_everything)
     make_llm, items = prompts
     contestants = draftwise_configs(make_llm, ["draft:k=3"], SamplingParams(temperature=0.0, max_tokens=12),
-                                    draft_model=str(random_draft))
+                                    {"draft": {"model": str(random_draft)}})
     results = run_benchmark(contestants, items, progress=False)
     summary = summarize(results)
     assert summary["plain"]["all"]["equal_to_plain"] == 3
@@ -76,9 +76,10 @@ def test_equality_check_flags_a_diverging_config(prompts, random_draft, monkeypa
 def test_config_syntax():
     assert parse_config("plain") is None
     assert parse_config("ngram:k=2") == {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
-    assert parse_config("draft", draft_model="m")["adaptive"] is True
-    assert parse_config("layer_skip:k<=4", layers=3) == {"method": "layer_skip", "num_speculative_tokens": 4,
-                                                          "adaptive": True, "num_layers": 3}
+    assert parse_config("draft", {"draft": {"model": "m"}}) == {"method": "draft", "num_speculative_tokens": 8,
+                                                                 "adaptive": True, "model": "m"}
+    assert parse_config("layer_skip:k<=4", {"layer_skip": {"num_layers": 3}, "draft": {"model": "m"}}) == {
+        "method": "layer_skip", "num_speculative_tokens": 4, "adaptive": True, "num_layers": 3}
     for bad in ("medusa", "ngram:k=", "draft:k=0", "ngram:4"):
         with pytest.raises(InvalidParameterError, match="config|k must"):
             parse_config(bad)

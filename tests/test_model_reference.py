@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftwise.loading.hf_folder import load_model
-from draftwise.model.runner import ModelRunner
+from draftwise.runner.model_runner import ModelRunner
 
 PROMPT = [[5, 17, 42, 99, 3, 250, 7, 8, 120, 33]]
 

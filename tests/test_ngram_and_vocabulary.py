@@ -2,8 +2,8 @@
 
 import pytest
 
-from draftwise.spec.ngram import find_continuation
-from draftwise.spec.vocabulary import TokenizerMismatchError, check_same_vocabulary
+from draftwise.speculative.drafters.ngram import find_continuation
+from draftwise.speculative.vocabulary import TokenizerMismatchError, check_same_vocabulary
 
 
 def test_longest_suffix_most_recent_occurrence():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from draftwise.adaptive.cost_model import CostModel
+from draftwise.speculative.control.cost_model import CostModel
 from draftwise.planner.simulate import Acceptance, Policy, Request, leviathan_speedup, simulate
 
 STEP = 0.05  # seconds of one target step
@@ -76,14 +76,17 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path):
     """Traffic file in, recommendation, memory, cost, validation and files out (tiny model, seconds)."""
     import json
 
-    from draftwise.planner.plan import PlanOptions, make_plan, render, write
+    from draftwise.planner.make import make_plan
+    from draftwise.planner.plan import PlanOptions
+    from draftwise.planner.report import render, write
 
     traffic = tmp_path / "traffic.jsonl"
     rows = [{"prompt": "def add(a, b):", "segment": "code"}, {"prompt": "for i in range(3):", "segment": "code"},
             {"messages": [{"role": "user", "content": "hello there"}], "segment": "chat", "max_tokens": 12},
             {"turns": ["say something"], "category": "chat"}]
     traffic.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("draft", "ngram"), draft_model=str(tiny_qwen),
+    options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("draft", "ngram"),
+                          drafter_options={"draft": {"model": str(tiny_qwen)}},
                           concurrency=(1, 2, 8), sample=4, max_tokens=16, max_k=3, price_per_mtok=10.0,
                           tokens_per_day=2e6, validate=True, validate_max_concurrency=2)
     plan = make_plan(options, progress=lambda line: None)
@@ -106,7 +109,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path):
 
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
     from draftwise.errors import InvalidParameterError
-    from draftwise.planner.traffic import read_traffic
+    from draftwise.traffic import read_traffic
     from draftwise.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_qwen)

@@ -9,7 +9,7 @@ from gguf.quants import dequantize
 
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.hf_folder import load_model
-from draftwise.model.runner import ModelRunner
+from draftwise.runner.model_runner import ModelRunner
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.q4k import BLOCK_BYTES, q4k_to_groups

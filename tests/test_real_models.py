@@ -115,7 +115,7 @@ def test_real_adaptive_speculation_equals_plain(quantized_target):
 
 
 def test_real_tokenizer_mismatch_is_a_clear_error():
-    from draftwise.spec.vocabulary import TokenizerMismatchError
+    from draftwise.speculative.vocabulary import TokenizerMismatchError
 
     with pytest.raises(TokenizerMismatchError, match=r"'smollm2-135m' cannot draft for target 'qwen2.5-coder-1.5b'"
                                                      r".*target 151\d+ tokens, draft 49152 tokens.*first: id"):

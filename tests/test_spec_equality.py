@@ -127,7 +127,7 @@ def test_confidence_stop_shortens_drafts(tiny_qwen, random_draft):
 
 
 def test_trimmed_draft_vocabulary_only_proposes_kept_tokens(tiny_qwen):
-    from draftwise.spec.vocab_trim import kept_token_ids
+    from draftwise.speculative.vocab_trim import kept_token_ids
 
     llm = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=4, adaptive=False,
                       draft_vocab_size=40)
@@ -206,7 +206,7 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, random_draft):
 @pytest.mark.parametrize("spec, message", [
     ({"method": "medusa"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "lookahead": 3}, "unknown speculative option"),
+    ({"method": "ngram", "lookahead": 3}, "unknown option.*lookahead"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "draft", "draft_confidence_threshold": 1.5}, "draft_confidence_threshold"),

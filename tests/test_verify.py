@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import draftwise.spec.verify as verify_module
+import draftwise.speculative.verify as verify_module
 from draftwise.sampling.params import SamplingParams
 from draftwise.sampling.sampler import SamplingBatch
-from draftwise.spec.verify import verify
+from draftwise.speculative.verify import verify
 
 V = 5
 

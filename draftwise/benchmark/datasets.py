@@ -43,7 +43,7 @@ def load_prompts(dataset: str, tokenizer, *, per_category: int, all_turns: bool 
                                     for r in rows], per_category)
     if dataset == "humaneval":
         return [("humaneval", row["prompt"]) for row in _jsonl(data_file(dataset))][:per_category]
-    from draftwise.planner.traffic import read_traffic
+    from draftwise.traffic import read_traffic
 
     items = read_traffic(dataset, tokenizer, sample=10**9, max_tokens=max_tokens, seed=seed)
     return _first_per_category([(item.segment or "all", item.prompt) for item in items], per_category)

@@ -1,7 +1,7 @@
 """`draftwise bench`: plain decoding and speculative configs over the same prompts, in one run.
 
 A config is written `plain`, `METHOD` (adaptive, k <= 8), `METHOD:k=K` (fixed k) or
-`METHOD:k<=K` (adaptive, k <= K); METHOD is draft, ngram or layer_skip. Each config gets its own
+`METHOD:k<=K` (adaptive, k <= K); METHOD is a registered drafter. Each config gets its own
 LLM (its own drafter, cost model and controller memory) and a warm-up request (the first prompt,
 4 tokens: builds the drafter and its cost model); then every prompt runs once, batch 1, greedy
 unless a temperature is given, with the run's seed. Peers (`peers.py`) run beside them the same way.
@@ -24,11 +24,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from draftwise.errors import InvalidParameterError
-from draftwise.planner.simulate import percentile
 from draftwise.sampling.params import SamplingParams
-from draftwise.spec.metrics import SpecMetrics
+from draftwise.speculative.metrics import SpecMetrics
+from draftwise.speculative.registry import all_specs, names
+from draftwise.stats import percentile
 
-CONFIG_PATTERN = re.compile(r"^(draft|ngram|layer_skip)(?::k(=|<=)(\d+))?$")
+CONFIG_PATTERN = re.compile(r"^(\w+)(?::k(=|<=)(\d+))?$")
 DEFAULT_ADAPTIVE_K = 8
 
 
@@ -50,23 +51,31 @@ class ConfigResult:
     requests: list[RequestResult] = field(default_factory=list)
 
 
-def parse_config(text: str, draft_model: str | None = None, layers: int | None = None) -> dict | None:
-    """'plain' -> None; 'ngram:k=2' -> a speculative dict for `LLM.set_speculative`."""
+def default_configs() -> list[str]:
+    """The drafters benchmarked unless told otherwise, adaptive."""
+    return [spec.name for spec in all_specs() if spec.benchmark_by_default]
+
+
+def config_method(text: str) -> str:
+    """The drafter a config names ('ngram:k=2' -> 'ngram'); unknown names and bad forms raise."""
+    match = CONFIG_PATTERN.match(text)
+    if not match or match.group(1) not in names():
+        raise InvalidParameterError(f"config must be plain, METHOD, METHOD:k=K or METHOD:k<=K "
+                                    f"(METHOD one of {', '.join(names())}), got {text!r}")
+    return match.group(1)
+
+
+def parse_config(text: str, options: dict[str, dict] | None = None) -> dict | None:
+    """'plain' -> None; 'ngram:k=2' -> a speculative dict for `LLM.set_speculative`, with the
+    method's `options[method]` added."""
     if text == "plain":
         return None
-    match = CONFIG_PATTERN.match(text)
-    if not match:
-        raise InvalidParameterError(f"config must be plain, METHOD, METHOD:k=K or METHOD:k<=K "
-                                    f"(METHOD draft, ngram or layer_skip), got {text!r}")
-    method, relation, k = match.groups()
+    method = config_method(text)
+    _, relation, k = CONFIG_PATTERN.match(text).groups()
     spec: dict = {"method": method, "num_speculative_tokens": int(k) if k else DEFAULT_ADAPTIVE_K,
-                  "adaptive": relation != "="}
+                  "adaptive": relation != "=", **(options or {}).get(method, {})}
     if spec["num_speculative_tokens"] < 1:
         raise InvalidParameterError(f"k must be at least 1 in {text!r}")
-    if method == "draft" and draft_model:
-        spec["model"] = draft_model
-    if method == "layer_skip" and layers:
-        spec["num_layers"] = layers
     return spec
 
 
@@ -90,11 +99,11 @@ class DraftwiseConfig:
                              list(output.token_ids), steps, asdict(spec) if spec else None)
 
 
-def draftwise_configs(make_llm: Callable[[], object], configs: list[str], params: SamplingParams, *,
-                      draft_model: str | None = None, layers: int | None = None) -> list[DraftwiseConfig]:
+def draftwise_configs(make_llm: Callable[[], object], configs: list[str], params: SamplingParams,
+                      options: dict[str, dict] | None = None) -> list[DraftwiseConfig]:
     """Plain first (the reference every output is compared with), then each config; `make_llm()`
-    builds a fresh LLM on the target."""
-    specs = {name: parse_config(name, draft_model, layers) for name in ["plain"] + [c for c in configs if c != "plain"]}
+    builds a fresh LLM on the target; `options`: method -> its drafter options."""
+    specs = {name: parse_config(name, options) for name in ["plain"] + [c for c in configs if c != "plain"]}
     contestants = []
     for name, spec in specs.items():
         llm = make_llm()

@@ -8,38 +8,26 @@ accepts its own number of tokens); nothing is realigned, every row rolls back by
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from draftwise.adaptive.policy import DraftLengthPolicy
 from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
 from draftwise.errors import InvalidParameterError, KVCacheFullError
-from draftwise.model.runner import ModelRunner
+from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
-from draftwise.spec.proposer import Draft, Proposer
-from draftwise.spec.verify import verify
-
-
-@dataclass(slots=True)
-class Drafter:
-    """One way of speculating: who proposes, how many tokens a row drafts, randomized drafting."""
-
-    proposer: Proposer
-    draft_length: DraftLengthPolicy
-    max_tokens: int  # num_speculative_tokens: the most a row drafts in one step
-    draft_probability: float = 1.0  # randomized drafting (sampled requests; see spec.verify)
+from draftwise.speculative.drafter import Drafter
+from draftwise.speculative.proposer import Draft
+from draftwise.speculative.verify import verify
 
 
 class Engine:
     """Each request names its drafter (`seq.method`, None: plain decoding); rows of different
     drafters, and plain rows, share one batch and one verification pass."""
 
-    def __init__(self, runner: ModelRunner, drafters: dict[str, Drafter] | None = None,
-                 default_method: str | None = None, max_num_seqs: int = 8) -> None:
+    def __init__(self, runner: ModelRunner, default_method: str | None = None, max_num_seqs: int = 8) -> None:
         self.runner = runner
-        self.drafters: dict[str, Drafter] = dict(drafters or {})
+        self.drafters: dict[str, Drafter] = {}
         self.default_method = default_method  # what requests that do not say use
         self.scheduler = Scheduler(runner.blocks, max_num_seqs, self._step_tokens(), self._release_state)
         self.last_num_tokens: dict[str, float] = {}  # method -> mean k over its rows in the last step

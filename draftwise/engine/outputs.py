@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftwise.spec.metrics import SpecMetrics
+from draftwise.speculative.metrics import SpecMetrics
 
 
 @dataclass(slots=True)

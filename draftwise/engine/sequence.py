@@ -8,7 +8,7 @@ import torch
 
 from draftwise.engine.outputs import RequestMetrics, RequestOutput
 from draftwise.sampling.params import SamplingParams
-from draftwise.spec.metrics import SpecMetrics
+from draftwise.speculative.metrics import SpecMetrics
 from draftwise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 from draftwise.errors import ModelNotFoundError
-from draftwise.loading.cache_dir import cache_root
+from draftwise.paths import cache_root
 from draftwise.loading.convert import CONVERTER_VERSION, convert_gguf, is_converted
 from draftwise.loading.fetch import assemble
 from draftwise.loading.registry import KNOWN_MODELS

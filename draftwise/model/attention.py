@@ -10,15 +10,28 @@ then computes bit for bit what plain decoding computes.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model.config import ModelConfig
-from draftwise.cache.kv_cache import KVCacheView
 from draftwise.model.layers import apply_rotary
 
 PER_QUERY_MAX = 64
+
+
+class KVCacheView(Protocol):
+    """What attention needs of a paged KV cache for one forward pass (`draftwise.cache` provides it)."""
+
+    host_positions: list[list[int]]  # [B][S]: the position of each new token, on the host
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the new keys/values [B, Hkv, S, D] of this pass's rows."""
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, length, D] of this pass's rows."""
 
 
 class Attention(nn.Module):

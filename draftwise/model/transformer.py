@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftwise.model.attention import Attention
+from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
-from draftwise.cache.kv_cache import KVCacheView
 from draftwise.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
 
 

@@ -14,10 +14,11 @@ import statistics
 import time
 
 from draftwise.llm import LLM
-from draftwise.planner.simulate import Acceptance, Request, percentile
-from draftwise.planner.traffic import TrafficItem
+from draftwise.planner.simulate import Acceptance, Request
+from draftwise.traffic import TrafficItem
 from draftwise.sampling.params import SamplingParams
-from draftwise.spec.metrics import SpecMetrics
+from draftwise.speculative.metrics import SpecMetrics
+from draftwise.stats import percentile
 
 MIN_OBSERVATIONS = 8  # a position seen fewer times keeps the previous position's rate
 

@@ -21,7 +21,7 @@ sample. With constant a_i = alpha, batch 1 and a verification costing one step, 
 Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c the draft/target cost ratio.
 
 Policy. `plain` (k = 0), a fixed k, or `adaptive`: the engine's own controller
-(`adaptive/policy.AdaptiveLength`, k <= k_max) replayed step by step. It sees what it sees in the
+(`speculative/control/policy.AdaptiveLength`, k <= k_max) replayed step by step. It sees what it sees in the
 engine: each row's backlog, tokens left and generated, the segment, and after each step the drafted
 and accepted counts, so ski rental on the catch-up, probing and per-segment memory act here as they
 do in serving. It learns from whole-token outcomes, so adaptive runs always sample acceptance
@@ -39,8 +39,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from draftwise.adaptive.cost_model import CostModel
-from draftwise.adaptive.policy import AdaptiveLength
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.speculative.control.policy import AdaptiveLength
+from draftwise.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,11 +211,6 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
                       percentile(latencies, 0.5), percentile(latencies, 0.95),
                       percentile(ttfts, 0.5), percentile(ttfts, 0.95),
                       drafted / rows_stepped if rows_stepped else 0.0, now, len(latencies))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile of sorted `values` (nearest rank below); 0.0 for none."""
-    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
 def leviathan_speedup(alpha: float, k: int, cost_ratio: float) -> float:

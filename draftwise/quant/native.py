@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from draftwise.loading.cache_dir import cache_root
+from draftwise.paths import cache_root
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "lowbit_matmul.cpp"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")

@@ -22,7 +22,7 @@ class SpeculationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
-    method: Literal["draft", "ngram", "layer_skip"] | None = None
+    method: str | None = None  # a registered drafter the server was started with or builds on first use
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=64)
 
 

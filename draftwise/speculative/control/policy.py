@@ -6,9 +6,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from draftwise.adaptive.controller import AcceptanceEstimate, GoodputController, expected_tokens
-from draftwise.adaptive.cost_model import CostModel
-from draftwise.engine.sequence import Sequence
+from draftwise.speculative.control.controller import AcceptanceEstimate, GoodputController, expected_tokens
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.speculative.sequence import SequenceState
 
 MAX_LENGTHS_KEPT = 256
 MIN_LENGTHS = 4
@@ -16,15 +16,15 @@ MAX_SEGMENTS = 32
 
 
 class DraftLengthPolicy(Protocol):
-    def num_tokens(self, seqs: list[Sequence], lags: list[int], batch_size: int | None = None) -> list[int]:
+    def num_tokens(self, seqs: list[SequenceState], lags: list[int], batch_size: int | None = None) -> list[int]:
         """Tokens to draft for each row of this step's batch (0: a plain step for that row);
         lags: the drafter's backlog per row; batch_size: the step's rows, other drafters' and
         plain ones included (None: just `seqs`)."""
 
-    def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, seq: SequenceState, num_drafted: int, num_accepted: int) -> None:
         """What the verification of this step's draft gave."""
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SequenceState) -> None:
         """The request has finished."""
 
 
@@ -32,13 +32,13 @@ class FixedLength:
     def __init__(self, num_tokens: int) -> None:
         self.k = num_tokens
 
-    def num_tokens(self, seqs: list[Sequence], lags: list[int], batch_size: int | None = None) -> list[int]:
+    def num_tokens(self, seqs: list[SequenceState], lags: list[int], batch_size: int | None = None) -> list[int]:
         return [self.k] * len(seqs)
 
-    def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, seq: SequenceState, num_drafted: int, num_accepted: int) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SequenceState) -> None:
         pass
 
 
@@ -78,7 +78,7 @@ class AdaptiveLength:
         self.segments: dict[str, TrafficMemory] = {}
         self._controllers: dict[str, GoodputController] = {}
 
-    def memory(self, seq: Sequence) -> TrafficMemory:
+    def memory(self, seq: SequenceState) -> TrafficMemory:
         segment = getattr(seq, "segment", None)
         if segment is None:
             return self.overall
@@ -88,7 +88,7 @@ class AdaptiveLength:
             self.segments[segment] = TrafficMemory(AcceptanceEstimate.prior(self.max_tokens))
         return self.segments[segment]
 
-    def controller(self, seq: Sequence) -> GoodputController:
+    def controller(self, seq: SequenceState) -> GoodputController:
         if seq.request_id not in self._controllers:
             # A seeded request starts from the prior, not from what other requests taught: its k
             # choices (and so how it draws its random numbers) then depend on itself alone, and the
@@ -101,12 +101,12 @@ class AdaptiveLength:
                 start_interval=None if seeded else memory.interval)
         return self._controllers[seq.request_id]
 
-    def num_tokens(self, seqs: list[Sequence], lags: list[int], batch_size: int | None = None) -> list[int]:
+    def num_tokens(self, seqs: list[SequenceState], lags: list[int], batch_size: int | None = None) -> list[int]:
         rows = batch_size or len(seqs)
         choices = [self._solo(seq, lag, rows) for seq, lag in zip(seqs, lags)]
         return self._fit_to_batch(seqs, choices) if len(seqs) > 1 and any(choices) else choices
 
-    def _solo(self, seq: Sequence, lag: int, batch_rows: int) -> int:
+    def _solo(self, seq: SequenceState, lag: int, batch_rows: int) -> int:
         """The row's own choice; a catch-up must pay for every row of the batch that waits for it."""
         generated = len(seq.output_ids)
         if seq.params.seed is not None:  # a seeded request decides from itself alone (see `controller`)
@@ -114,7 +114,7 @@ class AdaptiveLength:
         expected = self.memory(seq).expected_tokens_left(generated)
         return self.controller(seq).choose(lag, seq.num_tokens_left, generated, expected, batch_rows)
 
-    def _fit_to_batch(self, seqs: list[Sequence], choices: list[int]) -> list[int]:
+    def _fit_to_batch(self, seqs: list[SequenceState], choices: list[int]) -> list[int]:
         """Each row's own choice assumed a step of its own; in a batch every drafted token adds
         to one shared verification pass, whose cost grows with the batch. Cap every row's k at a
         common c (c = 0: the whole batch takes a plain step), choosing c for the best batch
@@ -131,7 +131,7 @@ class AdaptiveLength:
                 best, best_goodput = capped, goodput
         return best
 
-    def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+    def observe(self, seq: SequenceState, num_drafted: int, num_accepted: int) -> None:
         controller = self.controller(seq)
         controller.observe(num_drafted, num_accepted)
         for memory in self._memories(seq):
@@ -139,11 +139,11 @@ class AdaptiveLength:
             if seq.params.seed is None:
                 memory.interval = controller.interval
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SequenceState) -> None:
         if self._controllers.pop(seq.request_id, None) is not None:
             for memory in self._memories(seq):
                 memory.lengths.append(len(seq.output_ids))
 
-    def _memories(self, seq: Sequence) -> list[TrafficMemory]:
+    def _memories(self, seq: SequenceState) -> list[TrafficMemory]:
         memory = self.memory(seq)
         return [memory] if memory is self.overall else [memory, self.overall]

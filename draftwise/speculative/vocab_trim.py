@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftwise.loading.cache_dir import cache_root
+from draftwise.paths import cache_root
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
 from draftwise.tokenizer import Tokenizer
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from draftwise.adaptive.cost_model import CostModel
+from draftwise.speculative.control.cost_model import CostModel
 
 CATCH_UP_MARGIN = 1.0  # buy once the forgone (or expected) saving reaches this many times the catch-up cost
 PRIOR_ACCEPTANCE = 0.8  # before anything is seen: optimistic, so that a first draft finds out

@@ -14,18 +14,18 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from draftwise.adaptive.cost_model import CostModel
-from draftwise.engine.sequence import Sequence
-from draftwise.loading.cache_dir import cache_root
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.paths import cache_root
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.native import source_digest
-from draftwise.model.runner import ModelRunner
+from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.params import SamplingParams
-from draftwise.spec.proposer import Proposer
+from draftwise.speculative.proposer import Proposer
 from draftwise.tokenizer import Tokenizer
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # 16+: batches of rows
@@ -77,8 +77,7 @@ def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer
     """Time the target over n new tokens and the drafter over k proposed tokens (needs a free row)."""
     capacity = min(runner.max_len, runner.blocks.num_blocks * runner.blocks.block_size)
     prompt_ids = _context_ids(tokenizer, min(CONTEXT_TOKENS, capacity - max(TARGET_SIZES) - max_draft_tokens - 2))
-    params = SamplingParams(temperature=0.0, max_tokens=max(TARGET_SIZES) + max_draft_tokens + 1, ignore_eos=True)
-    seq = Sequence("cost-profile", "", prompt_ids, params, tokenizer, frozenset(), runner.max_len, runner.device)
+    seq = ProfilingSequence(prompt_ids, max(TARGET_SIZES) + max_draft_tokens + 1)
     seq.row = runner.allocate()
     try:
         runner.forward([seq.row], [prompt_ids[:-1]], [1])  # the cache holds all but the newest token
@@ -110,7 +109,25 @@ def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer
         seq.row = None
 
 
-def _catch_up_per_token(proposer: Proposer, seq: Sequence, warm_seconds: float) -> float:
+@dataclass(slots=True)
+class ProfilingSequence:
+    """A greedy request that never grows: what a drafter is timed on (a `SequenceState`)."""
+
+    prompt_ids: list[int]
+    num_tokens_left: int
+    request_id: str = "cost-profile"
+    row: int | None = None
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=None))
+    generator: None = None
+    segment: None = None
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids
+
+
+def _catch_up_per_token(proposer: Proposer, seq: ProfilingSequence, warm_seconds: float) -> float:
     """Time a first draft from scratch (the drafter's state released) against a warm one."""
     proposer.release(seq)
     backlog = proposer.lag(seq)

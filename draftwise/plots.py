@@ -1,4 +1,4 @@
-"""Plot helpers shared by the benchmarks and the planner."""
+"""Plot helpers shared by the benchmark and the planner (matplotlib, without a screen)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.engine.sequence import Sequence
-from draftwise.model.runner import ModelRunner
+from draftwise.errors import InvalidParameterError
+from draftwise.speculative.sequence import SequenceState
+from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch, sample_from_probs, sampling_probs
-from draftwise.spec.proposer import Draft
+from draftwise.speculative.proposer import Draft
 
 
-def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequence], num_tokens: list[int],
+def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[SequenceState], num_tokens: list[int],
                            num_layers: int | None = None, confidence_threshold: float = 0.0,
                            offsets: list[int] | None = None) -> list[Draft]:
     """Feed each row what its cache lacks of the sequence, then draft num_tokens[b] tokens
@@ -62,3 +63,9 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
             if unsure[i]:
                 num_tokens[b] = step + 1  # confidence stop
     return [Draft(ids, torch.stack(p) if p else None) for ids, p in zip(token_ids, probs)]
+
+
+def check_confidence(threshold: float) -> None:
+    """The confidence stop's threshold (an option of every autoregressive drafter)."""
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0.0 <= threshold < 1.0:
+        raise InvalidParameterError(f"draft_confidence_threshold must be in [0, 1), got {threshold!r}")

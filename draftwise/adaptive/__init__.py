@@ -1,1 +1,0 @@
-"""Adaptive speculation: a measured cost model and the goodput controller that picks k."""

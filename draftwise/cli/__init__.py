@@ -1,0 +1,30 @@
+"""Command line: `draftwise generate | profile | serve | bench | plan | models`, one module per command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftwise.errors import DraftwiseError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draftwise.cli import bench, generate, models, plan, profile, serve
+
+    parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding for LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command in (generate, profile, serve, bench, plan, models):
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except DraftwiseError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

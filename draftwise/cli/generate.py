@@ -1,0 +1,45 @@
+"""`draftwise generate`: stream one completion to the terminal, then a line of statistics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftwise.cli.model_flags import add_model_arguments
+from draftwise.cli.speculative_flags import speculative_from_args
+
+
+def add_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="generate text from a prompt, streaming it")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", help="stop string (repeatable)")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_model_arguments(generate)
+    generate.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from draftwise.llm import LLM
+    from draftwise.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=args.stop or None)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1,
+              speculative=speculative_from_args(args), quantization=args.quantization)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    else:
+        print(prompt, end="", flush=True)
+    final = None
+    for delta in llm.stream(prompt, params):
+        print(delta.text, end="", flush=True)
+        final = delta.output
+    print()
+    if final is not None:
+        print(f"[{final.metrics.summary()}; finish: {final.finish_reason}]", file=sys.stderr)

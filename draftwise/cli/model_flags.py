@@ -1,0 +1,18 @@
+"""Flags that choose the target model and how it runs (shared by generate, profile and serve)."""
+
+from __future__ import annotations
+
+import argparse
+
+from draftwise.cli.speculative_flags import add_speculative_arguments
+from draftwise.loading.registry import DEFAULT_TARGET
+from draftwise.quant.apply import QUANTIZATIONS
+
+
+def add_model_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--model", default=DEFAULT_TARGET, help="known name, GGUF file or HF folder")
+    add_speculative_arguments(command)
+    command.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                         help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
+    command.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    command.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")

@@ -1,0 +1,68 @@
+"""`draftwise plan`: from your traffic, will speculation pay at your concurrency, and what does it save?"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from draftwise.cli.speculative_flags import add_option_arguments, drafter_options_from_args
+from draftwise.errors import InvalidParameterError
+from draftwise.loading.registry import DEFAULT_TARGET
+
+
+def add_parser(commands) -> None:
+    from draftwise.speculative.registry import all_specs
+
+    defaults = ",".join(spec.name for spec in all_specs() if spec.benchmark_by_default)
+    plan = commands.add_parser("plan", help="predict, from your traffic, whether speculation pays at your concurrency")
+    plan.add_argument("--traffic", required=True, help="JSONL: one request per line (prompt, messages or turns)")
+    plan.add_argument("--model", default=DEFAULT_TARGET)
+    plan.add_argument("--drafters", default=defaults, help="comma-separated registered drafters")
+    plan.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels to predict")
+    plan.add_argument("--sample", type=int, default=24, help="requests sampled from the traffic (evenly by segment)")
+    plan.add_argument("--max-tokens", type=int, default=128, help="generation cap for lines without max_tokens")
+    plan.add_argument("-k", "--max-k", type=int, default=6, help="largest k considered (acceptance measured at it)")
+    plan.add_argument("--segment-field", default=None, help="the field naming a request's segment (default: "
+                      "segment, else category)")
+    plan.add_argument("--price-per-mtok", type=float, default=None, help="today's cost of a million generated tokens")
+    plan.add_argument("--tokens-per-day", type=float, default=None)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--validate", action="store_true", help="run the real engine and compare with the prediction")
+    plan.add_argument("--validate-max-concurrency", type=int, default=4)
+    plan.add_argument("--output", default="plan", help="folder for plan.md, plan.json and plan.png")
+    add_option_arguments(plan)
+    plan.set_defaults(run=run)
+
+
+def levels(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise InvalidParameterError(f"--concurrency must list positive integers, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> None:
+    from draftwise.planner.make import make_plan
+    from draftwise.planner.plan import PlanOptions
+    from draftwise.planner.report import render, write
+    from draftwise.speculative.registry import drafter_spec
+
+    drafters = tuple(d for d in args.drafters.split(",") if d)
+    if not drafters:
+        raise InvalidParameterError("--drafters must name at least one drafter")
+    for name in drafters:
+        drafter_spec(name)  # an unknown name fails before any model loads
+    if args.max_k < 1 or args.sample < 1 or args.max_tokens < 1:
+        raise InvalidParameterError("--max-k, --sample and --max-tokens must be positive")
+    options = PlanOptions(args.traffic, args.model, drafters, drafter_options_from_args(args, list(drafters)),
+                          levels(args.concurrency), args.sample, args.max_tokens, args.max_k, args.segment_field,
+                          args.price_per_mtok, args.tokens_per_day, args.seed, args.validate,
+                          args.validate_max_concurrency)
+    plan = make_plan(options, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    paths = write(plan, Path(args.output))
+    print(render(plan))
+    print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")

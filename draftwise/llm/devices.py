@@ -1,0 +1,31 @@
+"""Which device and dtype an LLM runs on, from what the user asked for."""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.errors import InvalidParameterError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    """`None` or "auto": CUDA when present, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidParameterError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}") from None
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`None` or "auto": bf16 on CUDA, fp32 on the CPU."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidParameterError(f"dtype must be one of {', '.join(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]

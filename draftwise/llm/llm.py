@@ -1,0 +1,261 @@
+"""The user-facing API: `LLM(model=...)`, `generate`, `chat` and `stream`, in the style of vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from draftwise.engine.engine import Engine
+from draftwise.engine.outputs import RequestOutput
+from draftwise.engine.sequence import Sequence
+from draftwise.errors import InvalidParameterError, ModelFormatError
+from draftwise.llm.devices import pick_device, pick_dtype
+from draftwise.llm.requests import check_max_tokens_fit, check_prompt_ids, request_speculation
+from draftwise.loading.hf_folder import load_model
+from draftwise.loading.registry import DEFAULT_TARGET
+from draftwise.loading.resolve import resolve_model
+from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
+from draftwise.sampling.params import SamplingParams
+from draftwise.speculative.config import SpeculativeConfig
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.speculative.drafter import build_drafter, measure_costs
+from draftwise.speculative.metrics import SpecMetrics
+from draftwise.speculative.proposer import Proposer
+from draftwise.speculative.registry import Target
+from draftwise.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # all generated token ids so far
+    finish_reason: str | None
+    output: RequestOutput | None  # set on the last delta
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_TARGET,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 8,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        speculative: SpeculativeConfig | dict | None = None,
+        quantization: str = "auto",
+        progress: bool = True,
+    ) -> None:
+        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
+        if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
+            raise InvalidParameterError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.model_folder = resolve_model(model, progress=progress)
+        self.model_name = model
+        self.tokenizer = Tokenizer(self.model_folder)
+        config = SpeculativeConfig.from_value(speculative)
+        self._check_drafter(config, progress)  # before any weights load: fail fast
+        self.model = load_model(self.model_folder, self.device, self.dtype, quantization=quantization)
+        if self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise ModelFormatError(
+                f"{self.model_folder}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
+                f"embedding only {self.model.config.vocab_size}")
+        self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
+        self.max_num_seqs = max_num_seqs
+        num_blocks = None
+        if kv_cache_memory_bytes is not None:
+            num_blocks = kv_cache_memory_bytes // (block_size * ModelRunner.kv_bytes_per_token(self.model))
+            if num_blocks < 1:
+                raise InvalidParameterError(
+                    f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no block of {block_size} tokens "
+                    f"({ModelRunner.kv_bytes_per_token(self.model)} bytes per token)")
+        self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, num_blocks=num_blocks,
+                                  block_size=block_size)
+        self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
+                             self.max_model_len, progress)
+        self._install(config)
+        self._request_ids = itertools.count()
+        self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish
+        self._reported: dict[str, int] = {}  # request id -> tokens already reported by `step`
+
+    # --- speculation ------------------------------------------------------------------------
+    def set_speculative(self, speculative: SpeculativeConfig | dict | None, progress: bool = True) -> None:
+        """Switch speculation (None: off) without reloading the target; resets `spec_metrics`."""
+        if self.engine.has_unfinished():
+            raise InvalidParameterError("cannot change speculation while requests are running")
+        config = SpeculativeConfig.from_value(speculative)
+        self._check_drafter(config, progress)
+        self._install(config)
+
+    def _check_drafter(self, config: SpeculativeConfig | None, progress: bool) -> None:
+        if config is not None and config.spec.check is not None:
+            config.spec.check(config.options, self.tokenizer, self.model_name, progress)
+
+    def _install(self, config: SpeculativeConfig | None) -> None:
+        self.speculative = config
+        self.cost_model: CostModel | None = None
+        self.engine = Engine(self.runner, max_num_seqs=self.max_num_seqs,
+                             default_method=config.method if config is not None else None)
+        if config is not None:
+            drafter = build_drafter(config, self.target)
+            self.engine.add_drafter(config.method, drafter)
+            self.cost_model = drafter.costs
+        self.spec_metrics = SpecMetrics()  # totals over every finished request
+
+    def prepare_drafter(self, method: str) -> None:
+        """Build the drafter that requests naming `method` use (with its defaults), if not built yet;
+        the server does this at start-up so that no request waits for a build."""
+        if method not in self.engine.drafters:
+            config = SpeculativeConfig.from_value({"method": method})
+            if not config.spec.per_request:
+                raise InvalidParameterError(
+                    f"method {method!r} loads a model of its own: build the LLM (or start the server) with "
+                    f"speculative={{'method': {method!r}, ...}}")
+            self.engine.add_drafter(method, build_drafter(config, self.target))
+
+    @property
+    def default_method(self) -> str | None:
+        """The drafter requests use unless they say otherwise (None: plain decoding)."""
+        return self.engine.default_method
+
+    def measure_costs(self, proposer: Proposer | None, config: SpeculativeConfig | None,
+                      refresh: bool = False) -> CostModel:
+        """This machine's cost model for the target (and drafter): cached on disk, measured if absent."""
+        return measure_costs(self.target, proposer, config, refresh)
+
+    # --- requests ---------------------------------------------------------------------------
+    def _make_sequence(self, prompt: str, params: SamplingParams, segment: str | None = None) -> Sequence:
+        if not isinstance(prompt, str):
+            raise InvalidParameterError(f"a prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidParameterError("prompt is empty")
+        prompt_ids = self.tokenizer.encode(prompt)
+        check_prompt_ids(prompt_ids, self.max_model_len)
+        if segment is not None and not isinstance(segment, str):
+            raise InvalidParameterError(f"segment must be a string, got {type(segment).__name__}")
+        seq = Sequence(str(next(self._request_ids)), prompt, prompt_ids, params, self.tokenizer,
+                       self.tokenizer.eos_token_ids, self.max_model_len, self.device)
+        seq.method = self.engine.default_method
+        seq.segment = segment
+        return seq
+
+    @staticmethod
+    def _params(sampling_params: SamplingParams | None) -> SamplingParams:
+        if sampling_params is None:
+            return SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise InvalidParameterError("sampling_params must be a SamplingParams")
+        return sampling_params
+
+    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None, *,
+                 segment: str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (batched); outputs come back in prompt order.
+        segment: a traffic label (the adaptive controller keeps statistics per segment)."""
+        params = self._params(sampling_params)
+        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        sequences = [self._make_sequence(prompt, params, segment) for prompt in prompt_list]  # validate all first
+        for seq in sequences:
+            self.engine.check(seq)
+        for seq in sequences:
+            self.engine.add(seq)
+        try:
+            while any(not seq.finished for seq in sequences):
+                self.engine.step()
+        finally:
+            for seq in sequences:
+                if not seq.finished:
+                    self.engine.abort(seq)
+        for seq in sequences:
+            self.spec_metrics.merge(seq.metrics.spec)
+        return [seq.output() for seq in sequences]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conversation) for conversation in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield text as it is produced; the last delta carries the full output."""
+        seq = self._make_sequence(prompt, self._params(sampling_params))
+        self.engine.check(seq)
+        self.engine.add(seq)
+        try:
+            while not seq.finished:
+                self.engine.step()
+                delta = seq.take_text_delta()
+                if delta or seq.finished:
+                    yield StreamDelta(delta, list(seq.output_ids), seq.finish_reason,
+                                      seq.output() if seq.finished else None)
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq)
+            self.spec_metrics.merge(seq.metrics.spec)
+
+    # --- continuous batching: requests join and leave between steps ------------------------
+    def add_request(self, prompt: str, sampling_params: SamplingParams | None = None, *,
+                    speculative: dict | None = None, segment: str | None = None,
+                    max_tokens_must_fit: bool = False) -> str:
+        """Queue a request to run alongside whatever is running; returns its request id.
+
+        speculative: this request's speculation: None (the LLM's), {"enabled": False} (plain
+        decoding), or {"method": ..., "num_speculative_tokens": k} (k caps the drafter's own
+        bound); a method that needs no model of its own is built on first use (`prepare_drafter`).
+        segment: a traffic label (the adaptive controller keeps statistics per segment).
+        max_tokens_must_fit: refuse (rather than shorten) a max_tokens that the context cannot
+        hold after the prompt, as OpenAI's API does."""
+        seq = self._make_sequence(prompt, self._params(sampling_params), segment)
+        if max_tokens_must_fit:
+            check_max_tokens_fit(len(seq.prompt_token_ids), seq.params.max_tokens, self.max_model_len)
+        seq.method, seq.max_draft_tokens = request_speculation(speculative, self.engine.default_method,
+                                                               self.prepare_drafter)
+        self.engine.add(seq)
+        self._live[seq.request_id] = seq
+        self._reported[seq.request_id] = 0
+        return seq.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; outputs (so far) of the requests that received tokens in it."""
+        stepped = {seq.request_id for seq in self.engine.step()}
+        outputs = []
+        for request_id, seq in list(self._live.items()):
+            if request_id in stepped or seq.finished:  # (one may have finished during a generate call)
+                output = seq.output()
+                output.delta = seq.take_text_delta()
+                output.num_new_tokens = len(seq.output_ids) - self._reported[request_id]
+                self._reported[request_id] = len(seq.output_ids)
+                outputs.append(output)
+                if seq.finished:
+                    self._forget(request_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self.spec_metrics.merge(self._live.pop(request_id).metrics.spec)
+        del self._reported[request_id]
+
+    def engine_stats(self) -> dict:
+        """Queue lengths, KV blocks, and the mean k per drafter in the last step (for metrics)."""
+        blocks = self.runner.blocks
+        return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                "kv_blocks": blocks.num_blocks, "kv_blocks_in_use": blocks.num_blocks - blocks.num_free_blocks,
+                "current_k": dict(self.engine.last_num_tokens)}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now, freeing its KV blocks (unknown or finished ids are ignored)."""
+        seq = self._live.get(request_id)
+        if seq is not None:
+            self.engine.abort(seq)
+            self._forget(request_id)

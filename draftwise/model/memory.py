@@ -1,0 +1,25 @@
+"""How much memory a model's tensors take (the planner's memory report, a draft model's footprint)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+def module_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor a model holds, once each: parameters, buffers and packed weights kept as
+    attributes (not those on the meta device)."""
+    seen: set[int] = set()
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for tensor in tensors:
+            if id(tensor) not in seen and tensor.device.type != "meta":
+                seen.add(id(tensor))
+                yield tensor
+
+
+def module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor a model holds (`module_tensors`)."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in module_tensors(model))

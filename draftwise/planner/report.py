@@ -1,0 +1,67 @@
+"""The plan as a user reads it: a Markdown report, a JSON file and a plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from draftwise.planner.plan import PAYS_MARGIN, Plan
+from draftwise.plots import plot_against_concurrency
+
+
+def render(plan: Plan) -> str:
+    options = plan.options
+    lines = [f"Traffic: {options['traffic']} ({plan.requests} sampled requests; segments: "
+             + ", ".join(f"{s or '(none)'} {n}" for s, n in plan.segments.items())
+             + f"). Calibration: real steps take {plan.calibration:.2f}x the profiled forward passes.", ""]
+    lines += ["| concurrency | plain tok/s | plain p95 s | recommended | tok/s | speedup | p95 s |",
+              "|---|---|---|---|---|---|---|"]
+    for i, c in enumerate(options["concurrency"]):
+        b, plain = plan.best[c], plan.predictions["plain"][i]
+        lines.append(f"| {c} | {plain['tokens_per_second']:.1f} | {plain['latency_p95']:.1f} | {b['config']} | "
+                     f"{b['tokens_per_second']:.1f} | {b['speedup']:.2f}x | {b['latency_p95']:.1f} |")
+    lines.append("")
+    if plan.switch_off_at is None:
+        lines.append("Speculation pays at every concurrency measured.")
+    else:
+        lines.append(f"Switch speculation off from concurrency {plan.switch_off_at} (no configuration is "
+                     f"{PAYS_MARGIN - 1:.0%} above plain there).")
+    for method, memory in plan.memory.items():
+        lines.append(f"- {method}: adds {memory['weights_bytes'] / 2**20:.0f} MiB of weights and "
+                     f"{memory['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token; in this KV budget "
+                     f"{memory['sequences_fit_plain']} sequences of {memory['mean_context_tokens']:.0f} tokens fit "
+                     f"without it, {memory['sequences_fit_with_drafter']} with it.")
+    if plan.cost_per_day:
+        lines += ["", "| concurrency | cost/day plain | cost/day with speculation | config |", "|---|---|---|---|"]
+        for c, cost in plan.cost_per_day.items():
+            lines.append(f"| {c} | {cost['plain_per_day']:.2f} | {cost['with_speculation_per_day']:.2f} | {cost['config']} |")
+    if plan.validation:
+        lines += ["", "Validation (the real engine on this machine):", "",
+                  "| concurrency | config | measured tok/s | predicted tok/s | error | measured speedup | "
+                  "predicted speedup | speedup error | measured p95 s | predicted p95 s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in plan.validation:
+            lines.append(f"| {row['concurrency']} | {row['config']} | {row['measured_tokens_per_second']:.2f} | "
+                         f"{row['predicted_tokens_per_second']:.2f} | {row['error']:+.1%} | "
+                         f"{row['measured_speedup']:.2f}x | {row['predicted_speedup']:.2f}x | "
+                         f"{row['speedup_error']:+.1%} | "
+                         f"{row['measured_latency_p95']:.1f} | {row['predicted_latency_p95']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(plan: Plan, path: Path) -> None:
+    names = ["plain"] + [f"{d.method} adaptive k<={plan.options['max_k']}" for d in plan.drafters]
+    series = {name: ([p["tokens_per_second"] for p in plan.predictions[name]],
+                     [p["latency_p95"] for p in plan.predictions[name]]) for name in names}
+    plot_against_concurrency(series, list(plan.options["concurrency"]), path,
+                             ("predicted tokens / s", "predicted p95 latency, s"))
+
+
+def write(plan: Plan, folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "plan.json", "markdown": folder / "plan.md", "plot": folder / "plan.png"}
+    paths["json"].write_text(json.dumps(asdict(plan), indent=1, default=str))
+    paths["markdown"].write_text(render(plan) + "\n")
+    plot(plan, paths["plot"])
+    return paths

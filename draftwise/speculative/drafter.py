@@ -1,0 +1,48 @@
+"""A drafter as the engine uses it: a proposer, the policy that sets k, and its bounds; built from
+a `SpeculativeConfig` through the registry, with its cost model measured (or read from the cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftwise.speculative.config import SpeculativeConfig
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.speculative.control.policy import AdaptiveLength, DraftLengthPolicy, FixedLength
+from draftwise.speculative.control.profile import configuration_key, load_or_measure
+from draftwise.speculative.proposer import Proposer
+from draftwise.speculative.registry import Target
+
+MAX_PROFILED_DRAFT = 16  # the drafter's cost is measured for k up to this (extrapolated beyond)
+
+
+@dataclass(slots=True)
+class Drafter:
+    """One way of speculating: who proposes, how many tokens a row drafts, randomized drafting."""
+
+    proposer: Proposer
+    draft_length: DraftLengthPolicy
+    max_tokens: int  # num_speculative_tokens: the most a row drafts in one step
+    draft_probability: float = 1.0  # randomized drafting (sampled requests; see speculative.verify)
+    costs: CostModel | None = None  # the cost model the adaptive policy plans with (None: fixed k)
+
+
+def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
+    """The proposer from the registry; an adaptive policy on this machine's measured costs, or a fixed k."""
+    proposer = config.spec.build(target, config.options)
+    if not config.adaptive:
+        return Drafter(proposer, FixedLength(config.num_speculative_tokens), config.num_speculative_tokens,
+                       config.draft_probability)
+    costs = measure_costs(target, proposer, config)
+    return Drafter(proposer, AdaptiveLength(costs, config.num_speculative_tokens), config.num_speculative_tokens,
+                   config.draft_probability, costs)
+
+
+def measure_costs(target: Target, proposer: Proposer | None, config: SpeculativeConfig | None,
+                  refresh: bool = False) -> CostModel:
+    """This machine's cost model for the target (and drafter): cached on disk, measured if absent."""
+    runner = target.runner
+    drafter = "plain" if config is None else config.drafter_key()
+    key = configuration_key(target.folder, runner.model.quantization.mode, runner.device, runner.dtype, drafter)
+    max_draft = config.num_speculative_tokens if config is not None else 0
+    return load_or_measure(key, runner, proposer, target.tokenizer, min(max_draft, MAX_PROFILED_DRAFT),
+                           refresh=refresh)

@@ -1,0 +1,1 @@
+"""One module per drafter; each registers itself (`draftwise.speculative.registry` imports them all)."""

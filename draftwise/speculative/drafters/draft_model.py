@@ -1,0 +1,140 @@
+"""Drafting with a separate, smaller model that shares the target's vocabulary.
+
+Context window: the draft model reads at most the last `context_window` tokens of a request (its
+cache then starts at that offset). Before its first draft it must absorb the prompt, which for a
+long prompt costs more than drafting can save on a short answer (a 700-token RAG prompt takes the
+0.5B ~3 s on a CPU). A draft conditioned on the recent text only may be accepted less often, never
+wrongly: the target verifies every token. When the backlog grows past the window (the controller
+took plain steps for a while), the cache restarts from the last `context_window` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftwise.errors import InvalidParameterError
+from draftwise.loading.hf_folder import load_model, resolve_quantization
+from draftwise.loading.registry import DEFAULT_DRAFT
+from draftwise.loading.resolve import resolve_model
+from draftwise.quant.apply import check_quantization
+from draftwise.runner.model_runner import ModelRunner
+from draftwise.speculative.autoregressive import check_confidence, draft_autoregressively
+from draftwise.model.memory import module_bytes
+from draftwise.speculative.proposer import Draft, Footprint
+from draftwise.speculative.registry import DrafterSpec, Target, option, register
+from draftwise.speculative.sequence import SequenceState
+from draftwise.speculative.vocab_trim import kept_token_ids, trim_lm_head
+from draftwise.speculative.vocabulary import check_same_vocabulary
+from draftwise.tokenizer import Tokenizer
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, confidence_threshold: float = 0.0,
+                 context_window: int | None = None) -> None:
+        self.runner = runner
+        self.confidence_threshold = confidence_threshold
+        self.context_window = context_window  # None: the whole context
+        self._rows: dict[str, int] = {}  # request id -> draft cache row
+        self._offsets: dict[str, int] = {}  # request id -> the first token the row holds
+
+    @property
+    def catch_up_window(self) -> int | None:
+        return self.context_window
+
+    def _row(self, seq: SequenceState) -> int:
+        if seq.request_id not in self._rows:
+            self._rows[seq.request_id] = self.runner.allocate()
+            self._offsets[seq.request_id] = 0
+        row = self._rows[seq.request_id]
+        if self.context_window is not None and self._backlog(seq) > self.context_window:
+            self.runner.truncate(row, 0)  # restart from the window's start
+            self._offsets[seq.request_id] = len(seq.token_ids) - self.context_window
+        return row
+
+    def _backlog(self, seq: SequenceState) -> int:
+        row = self._rows.get(seq.request_id)
+        held = 0 if row is None else self._offsets[seq.request_id] + self.runner.length(row)
+        return len(seq.token_ids) - held
+
+    def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
+        rows = [self._row(seq) for seq in seqs]
+        return draft_autoregressively(self.runner, rows, seqs, num_tokens,
+                                      offsets=[self._offsets[seq.request_id] for seq in seqs],
+                                      confidence_threshold=self.confidence_threshold)
+
+    def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
+        # The cache holds the old tokens and the drafts fed back; the accepted ones stay, the
+        # rest is rolled back (all committed tokens but the newest are then cached).
+        for seq in seqs:
+            row = self._rows.get(seq.request_id)
+            if row is not None:
+                keep = len(seq.token_ids) - 1 - self._offsets[seq.request_id]
+                self.runner.truncate(row, max(0, min(self.runner.length(row), keep)))
+
+    def lag(self, seq: SequenceState) -> int:
+        backlog = self._backlog(seq)
+        return backlog if self.context_window is None else min(backlog, self.context_window)
+
+    def release(self, seq: SequenceState) -> None:
+        row = self._rows.pop(seq.request_id, None)
+        self._offsets.pop(seq.request_id, None)
+        if row is not None:
+            self.runner.free(row)
+
+    def footprint(self) -> Footprint:
+        return Footprint(module_bytes(self.runner.model), ModelRunner.kv_bytes_per_token(self.runner.model))
+
+
+@dataclass(slots=True)
+class DraftModelOptions:
+    model: str = option(DEFAULT_DRAFT, "the draft model: a known name, a GGUF file or a HF folder, with the "
+                        "target's tokenizer", flag="--draft", cost=True)
+    quantization: str = option("auto", "the draft model's weights: auto (int4_all on CPU), int4, int4_all, int8, "
+                               "none", flag="--draft-quantization", cost=True)
+    draft_vocab_size: int | None = option(32768, "score only the N most frequent tokens in the draft's LM head "
+                                          "(0: the full vocabulary)", zero_is_none=True, cost=True)
+    draft_context_window: int | None = option(128, "the draft model reads only the last N tokens (0: all)",
+                                              zero_is_none=True)
+    draft_confidence_threshold: float = option(0.0, "stop drafting after a token drafted with less probability "
+                                               "(0: never)", flag="--confidence")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidParameterError(f"model must name the draft model, got {self.model!r}")
+        check_quantization(self.quantization)
+        if self.draft_vocab_size is not None and (
+                not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool)
+                or self.draft_vocab_size < 16):
+            raise InvalidParameterError(f"draft_vocab_size must be an integer >= 16, got {self.draft_vocab_size!r}")
+        if self.draft_context_window is not None and (
+                not isinstance(self.draft_context_window, int) or isinstance(self.draft_context_window, bool)
+                or self.draft_context_window < 1):
+            raise InvalidParameterError(
+                f"draft_context_window must be a positive integer or None, got {self.draft_context_window!r}")
+        check_confidence(self.draft_confidence_threshold)
+
+
+def check_draft_model(options: DraftModelOptions, target_tokenizer: Tokenizer, target_name: str,
+                      progress: bool) -> None:
+    """Before the target's weights load: the draft model exists and speaks the target's vocabulary."""
+    folder = resolve_model(options.model, progress=progress)
+    check_same_vocabulary(target_tokenizer, Tokenizer(folder), target_name, options.model)
+
+
+def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelProposer:
+    runner = target.runner
+    quantization = resolve_quantization(options.quantization, runner.device, runner.dtype, draft=True)
+    draft_model = load_model(resolve_model(options.model, progress=target.progress), runner.device, runner.dtype,
+                             quantization=quantization)
+    if options.draft_vocab_size is not None and options.draft_vocab_size < draft_model.config.vocab_size:
+        trim_lm_head(draft_model, kept_token_ids(target.tokenizer, options.draft_vocab_size))
+    # The draft model's cache holds as many tokens as the target's (it never holds more per
+    # request), plus a block per request for rounding.
+    draft_runner = ModelRunner(draft_model, target.max_num_seqs, target.max_model_len,
+                               num_blocks=runner.blocks.num_blocks + target.max_num_seqs,
+                               block_size=runner.blocks.block_size)
+    return DraftModelProposer(draft_runner, options.draft_confidence_threshold, options.draft_context_window)
+
+
+register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up)", DraftModelOptions,
+                     build_draft_model, check=check_draft_model, per_request=False))

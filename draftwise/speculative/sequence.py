@@ -1,0 +1,27 @@
+"""What speculation needs to know of a request. The engine's `Sequence` provides it; this package
+never imports the engine, so drafters, verification and the controller see only these fields."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from draftwise.sampling.params import SamplingParams
+
+
+class SequenceState(Protocol):
+    request_id: str
+    row: int | None  # the request's row in the target's KV cache while it runs
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own random stream (seeded requests), else None
+    segment: str | None  # a traffic label: the controller keeps statistics per segment
+    output_ids: list[int]  # tokens generated so far
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output: every committed token."""
+
+    @property
+    def num_tokens_left(self) -> int:
+        """Tokens the request may still emit (max_tokens and the context both count)."""
