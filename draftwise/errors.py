@@ -31,3 +31,15 @@ class FetchError(DraftwiseError):
 
 class KVCacheFullError(DraftwiseError):
     """The KV cache has no free block for a sequence (the scheduler preempts before this happens)."""
+
+
+def check_text(value: str, what: str) -> str:
+    """`value` unchanged if it is valid Unicode text; a lone surrogate (which JSON can carry as
+    "\\ud800" but no tokenizer can encode) is refused naming where it is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidParameterError(
+            f"{what} is not valid Unicode text: a lone surrogate U+{ord(value[error.start]):04X} at character "
+            f"{error.start}") from None
+    return value

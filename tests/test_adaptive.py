@@ -291,10 +291,6 @@ def test_the_engine_counts_every_row_of_the_step_as_waiting():
                           num_tokens_left=1000, output_ids=[0] * 10)
     assert policy.num_tokens([seq], [100]) != [0]
     assert policy.num_tokens([seq], [100], batch_size=16) == [0]
-    # A seeded request decides from itself alone, so its output does not depend on its batch.
-    seeded = SimpleNamespace(request_id="s", params=SimpleNamespace(seed=3, greedy=False),
-                             num_tokens_left=1000, output_ids=[0] * 400)
-    assert policy.num_tokens([seeded], [100], batch_size=16) == policy.num_tokens([seeded], [100]) != [0]
 
 
 def test_each_traffic_segment_keeps_its_own_memory():

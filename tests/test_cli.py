@@ -20,7 +20,7 @@ def test_errors_are_one_line_without_traceback(tiny_qwen, tmp_path):
         (("generate", "--model", "no-such-model", "x"), "unknown model 'no-such-model'"),
         (("generate", "--model", str(tmp_path / "missing.gguf"), "x"), "unknown model"),
         (("generate", "--model", str(tiny_qwen), "--max-tokens", "0", "x"), "max_tokens must be a positive"),
-        (("generate", "--model", str(tiny_qwen), "--temperature", "-1", "x"), "temperature must be >= 0"),
+        (("generate", "--model", str(tiny_qwen), "--temperature", "-1", "x"), "temperature must be a finite number >= 0"),
         (("generate", "--model", str(tiny_qwen), ""), "prompt is empty"),
     ]
     for args, message in cases:

@@ -8,8 +8,8 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.sampling.sampler import SamplingBatch, sample, sampling_probs
 
 
-def batch_of(*params, generators=None, vocab=6):
-    return SamplingBatch.build(list(params), generators or [None] * len(params), vocab, torch.device("cpu"))
+def batch_of(*params, positions=None, vocab=6):
+    return SamplingBatch.build(list(params), positions or [0] * len(params), vocab, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -21,6 +21,14 @@ def batch_of(*params, generators=None, vocab=6):
     ({"top_k": -2}, "top_k"),
     ({"stop": [""]}, "stop"),
     ({"seed": "x"}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"stop": ["ok", "bad\ud800"]}, "stop\\[1\\] is not valid Unicode.*U\\+D800"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_bad_parameters_are_named(kwargs, message):
     with pytest.raises(InvalidParameterError, match=message):
@@ -46,15 +54,31 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert {sample(logits, batch)[0].item() for _ in range(20)} == {1}
 
 
-def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
+def test_seeded_sampling_is_keyed_by_seed_and_position_and_follows_the_distribution():
+    """A seeded draw depends on the seed and the output position only; over seeds it follows p."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    params = SamplingParams(temperature=1.0, seed=7)
 
-    def draws(n):
-        generator = torch.Generator().manual_seed(7)
-        return [sample(logits, batch_of(params, generators=[generator], vocab=3)).item() for _ in range(n)]
+    def draw(seed, position):
+        return sample(logits, batch_of(SamplingParams(temperature=1.0, seed=seed), positions=[position], vocab=3)).item()
 
-    first, second = draws(3000), draws(3000)
-    assert first == second
+    torch.manual_seed(0)
+    first = [draw(seed, 5) for seed in range(3000)]
+    torch.manual_seed(1)  # the global generator plays no part
+    assert first == [draw(seed, 5) for seed in range(3000)]
+    assert [draw(seed, 6) for seed in range(200)] != first[:200]  # another position, other noise
     frequencies = torch.bincount(torch.tensor(first), minlength=3).float() / len(first)
     torch.testing.assert_close(frequencies, torch.tensor([0.5, 0.3, 0.2]), atol=0.03, rtol=0)
+
+
+def test_a_seeded_row_draws_the_same_beside_any_rows():
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=1.0, seed=9), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=9)]
+    alone = sample(logits[:1], SamplingBatch.build(params[:1], [3], 50, torch.device("cpu"))).item()
+    together = sample(logits[[0, 1, 2, 0]], SamplingBatch.build(params, [3, 0, 0, 3], 50, torch.device("cpu")))
+    assert together[0].item() == together[3].item() == alone
+
+
+def test_top_k_beyond_the_vocabulary_means_no_cut():
+    batch = SamplingBatch.build([SamplingParams(top_k=2**63 - 1)], [0], 6, torch.device("cpu"))
+    assert batch.top_k.tolist() == [6]

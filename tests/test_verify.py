@@ -11,8 +11,8 @@ from draftwise.speculative.verify import verify
 V = 5
 
 
-def batch(n, temperature=0.0, generators=None):
-    return SamplingBatch.build([SamplingParams(temperature=temperature)] * n, generators or [None] * n, V,
+def batch(n, temperature=0.0, seed=None):
+    return SamplingBatch.build([SamplingParams(temperature=temperature, seed=seed)] * n, [0] * n, V,
                                torch.device("cpu"))
 
 
@@ -56,13 +56,19 @@ def test_sampling_with_certain_target_accepts_and_rejects_exactly():
     assert rejected.output_token_ids.tolist() == [[1, 2, -1]] and rejected.num_accepted.tolist() == [1]
 
 
-def test_seeded_verification_is_reproducible():
+def test_seeded_verification_accepts_exactly_the_targets_own_draws():
+    """A seeded row keeps a drafted token iff it is the token the target draws there with the
+    row's keyed noise; what it emits is those draws, whatever the draft was."""
+    from draftwise.sampling.sampler import sample
+
     logits = torch.randn(1, 4, V)
-    def run():
-        generator = torch.Generator().manual_seed(11)
-        return verify(torch.tensor([[0, 1, 2]]), torch.tensor([3]), logits, torch.full((1, 3, V), 1 / V),
-                      batch(1, 1.0, [generator])).output_token_ids.tolist()
-    assert len({str(run()) for _ in range(5)}) == 1
+    sampling = batch(1, 1.0, seed=11)
+    own = sample(logits[0], sampling.repeat(4)).tolist()  # the target's draws at positions 0..3
+    for draft in ([own[0], own[1], own[2]], [own[0], (own[1] + 1) % V, own[2]], [(own[0] + 1) % V, 0, 0]):
+        result = verify(torch.tensor([draft]), torch.tensor([3]), logits, torch.full((1, 3, V), 1 / V), sampling)
+        accepted = result.num_accepted.item()
+        assert draft[:accepted] == own[:accepted] and (accepted == 3 or draft[accepted] != own[accepted])
+        assert result.output_token_ids[0, :accepted + 1].tolist() == own[:accepted + 1]
 
 
 # --- Monte-Carlo: emitted tokens follow the target distribution -------------------------------
@@ -127,7 +133,7 @@ def test_the_distribution_test_catches_accepting_everything(monkeypatch):
     assert max(run_speculative_sampling(point_mass=False)) > CHI2_CRITICAL_DF4
 
 
-# --- Randomized drafting (see the proof in draftwise/spec/verify.py) ---------------------------
+# --- Randomized drafting (see the proof in draftwise/speculative/verify.py) ---------------------------
 
 def run_randomized_drafting(point_mass: bool, rate: float, plain_step_from_p: bool = False, seed: int = 0):
     """Per step a coin with P(heads) = rate: heads verifies the draft with the relaxed first test,

@@ -3,22 +3,33 @@
 Plain decoding is the case without a proposer: every step verifies an empty draft, which is
 ordinary sampling from the target. Rows of a batch are ragged (each has its own length and
 accepts its own number of tokens); nothing is realigned, every row rolls back by bookkeeping.
+
+Failure isolation: a step that raises is undone for every row (each keeps the tokens it has
+committed; its cache is cut back to them; its drafter forgets it) and then run again row by row. A
+row that fails alone has its request end with an error (`finish_reason` "error"); every other row
+takes its step as if nothing had happened, so one bad request (a value that slipped through, its
+drafter, its KV growth) never changes another's output. A fault that every row meets alone (the
+engine itself is broken) ends every request, each with the error.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
+from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
 from draftwise.errors import InvalidParameterError, KVCacheFullError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
 from draftwise.speculative.drafter import Drafter
 from draftwise.speculative.proposer import Draft
 from draftwise.speculative.verify import verify
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -53,14 +64,24 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """One step; returns the sequences that received tokens (finished ones included)."""
+        """One step; returns the sequences that received tokens or ended in it (finished ones included)."""
         step = self.scheduler.schedule()
         if step is None:
             if self.scheduler.has_unfinished():  # `check` makes this unreachable: fail loudly, never hang
                 raise KVCacheFullError("no waiting request fits in the KV cache and none is running")
             return []
-        batch = step.seqs
-        if step.is_prefill:
+        try:
+            self._run(step.seqs, step.is_prefill)
+        except Exception as error:
+            self._isolate(step.seqs, step.is_prefill, error)
+        for seq in step.seqs:
+            if seq.finished:
+                self._retire(seq)
+        return step.seqs
+
+    def _run(self, batch: list[Sequence], is_prefill: bool) -> None:
+        """The step proper: propose, verify in one target pass, commit, feed back."""
+        if is_prefill:
             batch[0].row = self.runner.allocate()
             drafts, skipped = [Draft([])], [False]
         else:
@@ -72,10 +93,41 @@ class Engine:
             for b in rows:
                 if not skipped[b]:
                     drafter.draft_length.observe(batch[b], len(drafts[b].token_ids), num_accepted[b])
+
+    def _isolate(self, batch: list[Sequence], is_prefill: bool, error: Exception) -> None:
+        """A step raised: undo it for every row, then run each row alone; a row that fails alone fails."""
+        logger.error("a step over %d row(s) failed; isolating", len(batch), exc_info=error)
         for seq in batch:
-            if seq.finished:
-                self._retire(seq)
-        return batch
+            self._undo(seq)
+        if len(batch) == 1:
+            self._fail(batch[0], error)
+            return
+        for seq in batch:
+            if seq.finished:  # it ended (EOS, a stop string) while committing, before the failure
+                continue
+            try:
+                self._run([seq], is_prefill)
+            except Exception as solo_error:
+                logger.error("request %s failed alone", seq.request_id, exc_info=solo_error)
+                self._undo(seq)
+                self._fail(seq, solo_error)
+
+    def _undo(self, seq: Sequence) -> None:
+        """Back to the state between steps: the cache holds every committed token but the newest
+        (a request whose prefill never finished holds no row), and the drafter forgets the request."""
+        if seq.row is not None:
+            if not seq.output_ids:
+                self.runner.free(seq.row)
+                seq.row = None
+            else:
+                self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
+        if seq.method is not None:
+            self.drafters[seq.method].proposer.release(seq)
+
+    @staticmethod
+    def _fail(seq: Sequence, error: Exception) -> None:
+        reason = "kv_cache_full" if isinstance(error, KVCacheFullError) else "engine_error"
+        seq.fail(f"{type(error).__name__}: {error}", reason)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """End a request now, waiting or running: its blocks and drafter state are freed at once."""
@@ -97,7 +149,7 @@ class Engine:
             self.last_num_tokens[method] = sum(num_tokens) / len(num_tokens)
             if drafter.draft_probability < 1:
                 for i, seq in enumerate(seqs):
-                    if num_tokens[i] and not seq.params.greedy and not _coin(drafter.draft_probability, seq.generator):
+                    if num_tokens[i] and self._draft_rate(seq) < 1 and not _coin(drafter.draft_probability):
                         num_tokens[i], skipped[rows[i]] = 1, True  # tails: a plain step, which needs q at position 1
             if not any(num_tokens):
                 continue
@@ -124,15 +176,13 @@ class Engine:
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)])
         width = max(num_draft)
         device = result.logits.device
-        target_logits = _pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
-        sampling = SamplingBatch.build([seq.params for seq in batch], [seq.generator for seq in batch],
+        target_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
+        sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], device)
-        draft_ids = torch.tensor([d.token_ids + [0] * (width - len(d.token_ids)) for d in drafts],
-                                 dtype=torch.long, device=device)
         draft_rates = [self._draft_rate(seq) for seq in batch]  # [B] randomized drafting's a per row
         randomized = min(draft_rates) < 1
-        verified = verify(draft_ids.view(len(batch), width), torch.tensor(num_draft, device=device),
-                          target_logits, _stack_draft_probs(drafts, width), sampling,
+        verified = verify(draft_token_tensor(drafts, width, device), torch.tensor(num_draft, device=device),
+                          target_logits, stack_draft_probs(drafts, width), sampling,
                           draft_rate=torch.tensor(draft_rates, device=device) if randomized else None,
                           draft_skipped=torch.tensor(skipped, device=device) if randomized else None)
         output_ids = verified.output_token_ids.tolist()  # the step's one host sync
@@ -149,8 +199,9 @@ class Engine:
         return num_accepted
 
     def _draft_rate(self, seq: Sequence) -> float:
-        """Randomized drafting's a for this row: its drafter's for sampled rows, 1 otherwise."""
-        if seq.method is None or seq.params.greedy:
+        """Randomized drafting's a for this row: its drafter's for unseeded sampled rows, 1 otherwise
+        (greedy and seeded rows are verified by equality, where it has nothing to adjust)."""
+        if seq.method is None or seq.params.greedy or seq.params.seed is not None:
             return 1.0
         return self.drafters[seq.method].draft_probability
 
@@ -178,32 +229,5 @@ def _rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:
     return groups
 
 
-def _coin(probability: float, generator: torch.Generator | None) -> bool:
-    return bool(torch.rand((), generator=generator, device=generator.device if generator else None) < probability)
-
-
-def _pad_rows(flat: torch.Tensor, cu: list[int], width: int) -> torch.Tensor:
-    """Ragged rows flat[cu[b]:cu[b+1]] ([N, V]) as one padded tensor [B, width, V]."""
-    counts = [cu[b + 1] - cu[b] for b in range(len(cu) - 1)]
-    if all(count == width for count in counts):
-        return flat.view(len(counts), width, -1)
-    padded = flat.new_zeros(len(counts), width, flat.shape[-1])
-    for b, count in enumerate(counts):
-        padded[b, :count] = flat[cu[b]:cu[b + 1]]
-    return padded
-
-
-def _stack_draft_probs(drafts: list[Draft], width: int) -> torch.Tensor | None:
-    """[B, K, V] draft distributions, or None if every draft is deterministic (point masses)."""
-    with_probs = [d.probs for d in drafts if d.probs is not None]
-    if not with_probs or width == 0:
-        return None
-    vocab = with_probs[0].shape[-1]
-    stacked = with_probs[0].new_zeros(len(drafts), width, vocab)
-    for b, draft in enumerate(drafts):
-        if draft.probs is not None:
-            stacked[b, :len(draft.token_ids)] = draft.probs
-        else:
-            for i, token in enumerate(draft.token_ids):  # a deterministic draft in a sampled batch
-                stacked[b, i, token] = 1.0
-    return stacked
+def _coin(probability: float) -> bool:
+    return bool(torch.rand(()) < probability)

@@ -52,7 +52,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", or None while running
+    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "error", or None while running
 
 
 @dataclass(slots=True)
@@ -64,6 +64,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    error: str | None = None  # set when finish_reason is "error": what went wrong (other requests are unharmed)
     delta: str = ""  # from LLM.step: text new since the previous output (stop-string safe)
     num_new_tokens: int = 0  # from LLM.step: tokens new since the previous output
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from draftwise.engine.outputs import RequestMetrics, RequestOutput
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.metrics import SpecMetrics
@@ -14,7 +12,7 @@ from draftwise.tokenizer import IncrementalDetokenizer, Tokenizer
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_len: int, device: torch.device) -> None:
+                 tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_len: int) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -25,7 +23,8 @@ class Sequence:
         self.method: str | None = None  # the drafter speculating for it (None: plain decoding)
         self.max_draft_tokens: int | None = None  # a per-request cap on k (None: the drafter's own)
         self.segment: str | None = None  # a traffic label: the controller keeps per-segment statistics
-        self.generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+        self.error: str | None = None  # why the request failed (finish_reason "error")
+        self.error_reason: str | None = None  # a short label of the failure for metrics ("engine_error", ...)
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
@@ -84,6 +83,12 @@ class Sequence:
             self._detokenizer.flush()
             self.metrics.finish_time = time.perf_counter()
 
+    def fail(self, message: str, reason: str) -> None:
+        """End the request because something went wrong while computing it (`finish_reason` "error")."""
+        if not self.finished:
+            self.error, self.error_reason = message, reason
+            self.finish("error")
+
     # --- text -------------------------------------------------------------------------------
     def _find_stop_string(self, delta_length: int) -> bool:
         text = self._detokenizer.text
@@ -116,4 +121,4 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
-                             list(self.output_ids), self.finish_reason, self.metrics)
+                             list(self.output_ids), self.finish_reason, self.metrics, error=self.error)

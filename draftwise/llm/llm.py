@@ -13,7 +13,8 @@ from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
-from draftwise.llm.requests import check_max_tokens_fit, check_prompt_ids, request_speculation
+from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
+                                    prompt_parts, request_speculation)
 from draftwise.loading.hf_folder import load_model
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
@@ -133,17 +134,17 @@ class LLM:
         return measure_costs(self.target, proposer, config, refresh)
 
     # --- requests ---------------------------------------------------------------------------
-    def _make_sequence(self, prompt: str, params: SamplingParams, segment: str | None = None) -> Sequence:
-        if not isinstance(prompt, str):
-            raise InvalidParameterError(f"a prompt must be a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise InvalidParameterError("prompt is empty")
-        prompt_ids = self.tokenizer.encode(prompt)
+    def _make_sequence(self, prompt: str | TokensPrompt, params: SamplingParams,
+                       segment: str | None = None) -> Sequence:
+        text, prompt_ids = prompt_parts(prompt)
+        if prompt_ids is None:
+            prompt_ids = self.tokenizer.encode(text)
         check_prompt_ids(prompt_ids, self.max_model_len)
+        check_against_vocabulary(prompt_ids, params, self.model.config.vocab_size)
         if segment is not None and not isinstance(segment, str):
             raise InvalidParameterError(f"segment must be a string, got {type(segment).__name__}")
-        seq = Sequence(str(next(self._request_ids)), prompt, prompt_ids, params, self.tokenizer,
-                       self.tokenizer.eos_token_ids, self.max_model_len, self.device)
+        seq = Sequence(str(next(self._request_ids)), text, prompt_ids, params, self.tokenizer,
+                       self.tokenizer.eos_token_ids, self.max_model_len)
         seq.method = self.engine.default_method
         seq.segment = segment
         return seq
@@ -156,12 +157,14 @@ class LLM:
             raise InvalidParameterError("sampling_params must be a SamplingParams")
         return sampling_params
 
-    def generate(self, prompts: str | list[str], sampling_params: SamplingParams | None = None, *,
-                 segment: str | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (batched); outputs come back in prompt order.
-        segment: a traffic label (the adaptive controller keeps statistics per segment)."""
+    def generate(self, prompts: str | TokensPrompt | list[str | TokensPrompt],
+                 sampling_params: SamplingParams | None = None, *, segment: str | None = None) -> list[RequestOutput]:
+        """Run every prompt (text, or {"prompt_token_ids": [...]}) to completion, batched; outputs
+        come back in prompt order. A request that fails ends alone with finish_reason "error" and
+        its `error`; the others finish as they would have. segment: a traffic label (the adaptive
+        controller keeps statistics per segment)."""
         params = self._params(sampling_params)
-        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         sequences = [self._make_sequence(prompt, params, segment) for prompt in prompt_list]  # validate all first
         for seq in sequences:
             self.engine.check(seq)
@@ -185,8 +188,10 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(conversation) for conversation in conversations]
         return self.generate(prompts, sampling_params)
 
-    def stream(self, prompt: str, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield text as it is produced; the last delta carries the full output."""
+    def stream(self, prompt: str | TokensPrompt,
+               sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield text as it is produced; the last delta carries the full output (a failed request's
+        last delta has finish_reason "error" and the output's `error` says why)."""
         seq = self._make_sequence(prompt, self._params(sampling_params))
         self.engine.check(seq)
         self.engine.add(seq)
@@ -203,7 +208,7 @@ class LLM:
             self.spec_metrics.merge(seq.metrics.spec)
 
     # --- continuous batching: requests join and leave between steps ------------------------
-    def add_request(self, prompt: str, sampling_params: SamplingParams | None = None, *,
+    def add_request(self, prompt: str | TokensPrompt, sampling_params: SamplingParams | None = None, *,
                     speculative: dict | None = None, segment: str | None = None,
                     max_tokens_must_fit: bool = False) -> str:
         """Queue a request to run alongside whatever is running; returns its request id.

@@ -3,10 +3,51 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypedDict
 
-from draftwise.errors import InvalidParameterError, PromptTooLongError
+from draftwise.errors import InvalidParameterError, PromptTooLongError, check_text
+from draftwise.sampling.params import SamplingParams
 
 PER_REQUEST_SPECULATION = ("enabled", "method", "num_speculative_tokens")
+
+
+class TokensPrompt(TypedDict, total=False):
+    """A prompt already tokenized (vLLM's name): `prompt_token_ids`, and the text it came from if known."""
+
+    prompt_token_ids: list[int]
+    prompt: str
+
+
+def prompt_parts(prompt: str | TokensPrompt) -> tuple[str, list[int] | None]:
+    """(text, token ids or None: tokenize the text) of a prompt, checked."""
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt_token_ids", "prompt"}
+        if unknown or "prompt_token_ids" not in prompt:
+            raise InvalidParameterError(f"a tokens prompt is {{'prompt_token_ids': [...], 'prompt': text}}, "
+                                        f"got keys {sorted(prompt)}")
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list) or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+            raise InvalidParameterError("prompt_token_ids must be a list of non-negative integers")
+        text = prompt.get("prompt", "")
+        if not isinstance(text, str):
+            raise InvalidParameterError("a tokens prompt's 'prompt' must be its text")
+        return check_text(text, "prompt"), ids
+    if not isinstance(prompt, str):
+        raise InvalidParameterError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got "
+                                    f"{type(prompt).__name__}")
+    if not prompt:
+        raise InvalidParameterError("prompt is empty")
+    return check_text(prompt, "prompt"), None
+
+
+def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """Token ids and top_k the model's vocabulary can hold."""
+    if any(i >= vocab_size for i in prompt_ids):
+        raise InvalidParameterError(f"prompt_token_ids hold an id >= the vocabulary's {vocab_size}")
+    if params.top_k > vocab_size:
+        raise InvalidParameterError(f"top_k must be at most the vocabulary size {vocab_size}, got {params.top_k}")
+    if any(i >= vocab_size for i in params.stop_token_ids):
+        raise InvalidParameterError(f"stop_token_ids hold an id >= the vocabulary's {vocab_size}")
 
 
 def check_prompt_ids(prompt_ids: list[int], max_model_len: int) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from draftwise.errors import InvalidParameterError
-from draftwise.speculative.sequence import SequenceState
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch, sample_from_probs, sampling_probs
 from draftwise.speculative.proposer import Draft
+from draftwise.speculative.sequence import SequenceState
 
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[SequenceState], num_tokens: list[int],
@@ -22,8 +22,10 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     `confidence_threshold` (that token is still proposed: it is already paid for, and costs only
     one more position in the verification pass).
 
-    Greedy requests take the argmax; sampled requests draw from the warped draft distribution
-    with the request's own generator and keep those probabilities for verification.
+    Greedy requests take the argmax; sampled requests draw from the warped draft distribution.
+    A seeded request draws with the noise the target will use at that position (the coupling
+    `draftwise/speculative/verify.py` describes: it is verified by equality, so no probabilities are
+    kept); an unseeded one keeps its draft probabilities for rejection sampling.
     The last drafted token is not fed back (the target's verification pass does that).
     """
     token_ids: list[list[int]] = [[] for _ in seqs]
@@ -38,17 +40,17 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
         result = runner.forward([rows[b] for b in live], [pending[b] for b in live], [1] * len(live),
                                 num_layers=num_layers)
         params = [seqs[b].params for b in live]
-        sampling = SamplingBatch.build(params, [seqs[b].generator for b in live], result.logits.shape[-1],
-                                       result.logits.device)
+        positions = [len(seqs[b].output_ids) + step for b in live]  # the output position each draft fills
+        sampling = SamplingBatch.build(params, positions, result.logits.shape[-1], result.logits.device)
         if sampling.all_greedy:
             next_ids = result.logits.argmax(dim=-1)  # [n]
             confidence = torch.softmax(result.logits, dim=-1).amax(dim=-1) if confidence_threshold else None
         else:
             draft_probs = sampling_probs(result.logits, sampling)  # [n, V]
-            sampled = sample_from_probs(draft_probs, sampling.generators)
+            sampled = sample_from_probs(draft_probs, sampling)
             next_ids = torch.where(sampling.greedy, result.logits.argmax(dim=-1), sampled)
             for i, b in enumerate(live):
-                if not params[i].greedy:
+                if not params[i].greedy and params[i].seed is None:
                     probs[b].append(draft_probs[i])
             confidence = None
             if confidence_threshold:  # the probability of the token drafted (greedy rows: the top one)

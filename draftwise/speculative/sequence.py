@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 from draftwise.sampling.params import SamplingParams
 
 
@@ -14,7 +12,6 @@ class SequenceState(Protocol):
     request_id: str
     row: int | None  # the request's row in the target's KV cache while it runs
     params: SamplingParams
-    generator: torch.Generator | None  # the request's own random stream (seeded requests), else None
     segment: str | None  # a traffic label: the controller keeps statistics per segment
     output_ids: list[int]  # tokens generated so far
 

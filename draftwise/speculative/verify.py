@@ -7,7 +7,18 @@ that accepts `a` of its k drafts emits a + 1 tokens.
 Greedy rows accept while draft == argmax(target); the emitted tokens are then simply the target's
 argmax at positions 0..a, which is what one-token-at-a-time greedy decoding would produce.
 
-Sampled rows use speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
+Seeded sampled rows are verified the same way, by equality, against the token the target itself
+samples at each position: y_t = argmax_x p_t(x) / E_t(x), with E_t i.i.d. Exponential(1) noise
+keyed by the request's seed and the output position t (`draftwise/sampling/noise.py`). That is a
+draw from p_t (the exponential race: P(y_t = x) = p_t(x)), so every emitted token follows the
+target's distribution; and since y_t depends only on the committed prefix, the seed and t, the
+emitted sequence is exactly what plain seeded decoding emits, whatever was drafted, batched or
+verified beside it. A drafter sharing the noise (a draft model drafts argmax q_t / E_t with the same
+E_t) proposes y_t whenever the two races have the same winner (a Gumbel-max coupling of p_t and
+q_t), so drafts still get accepted; a deterministic drafter is accepted with probability p_t(x_t),
+as under rejection sampling.
+
+Unseeded sampled rows use speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers
 via Speculative Decoding", Algorithm 1; Chen et al. 2023): with p_i the target's and q_i the
 drafter's distribution at position i (both after the same temperature / top-k / top-p warping),
   accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
@@ -41,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from draftwise.sampling.sampler import SamplingBatch, sample_from_probs, sampling_probs
+from draftwise.sampling.sampler import SamplingBatch, sample, sample_from_probs, sampling_probs
 
 
 @dataclass(slots=True)
@@ -62,25 +73,42 @@ def verify(
     num_draft: torch.Tensor,  # [B]
     target_logits: torch.Tensor,  # [B, K+1, V]
     draft_probs: torch.Tensor | None,  # [B, K, V'] with V' <= V, or None: every draft is a point mass
-    sampling: SamplingBatch,  # one row per sequence
+    sampling: SamplingBatch,  # one row per sequence, positions: the output position of each row's first logit
     draft_rate: torch.Tensor | None = None,  # [B] randomized drafting's a per row (1: off)
     draft_skipped: torch.Tensor | None = None,  # [B] bool: the coin said "plain step" (first token from R)
 ) -> VerifyResult:
     batch, width = draft_token_ids.shape
     positions = torch.arange(width, device=draft_token_ids.device)
     is_draft = positions[None, :] < num_draft[:, None]  # [B, K]
-    target_argmax = target_logits.argmax(dim=-1)  # [B, K+1]
 
-    greedy_accept = (draft_token_ids == target_argmax[:, :width]) & is_draft
-    num_accepted = greedy_accept.int().cumprod(dim=-1).sum(dim=-1)  # [B]
-    output = target_argmax.clone()
-    if not sampling.all_greedy:
+    # Greedy and seeded rows: the token the target emits at each position is fixed by the prefix
+    # (and the seed); a drafted token is accepted iff it is that token.
+    chosen = target_tokens(target_logits, sampling)  # [B, K+1]
+    accepted = (draft_token_ids == chosen[:, :width]) & is_draft
+    num_accepted = accepted.int().cumprod(dim=-1).sum(dim=-1)  # [B]
+    output = chosen
+    if sampling.any_unseeded_sampled:
         sampled_output, sampled_accepted = _speculative_sampling(
             draft_token_ids, is_draft, num_draft, target_logits, draft_probs, sampling, draft_rate, draft_skipped)
-        output = torch.where(sampling.greedy[:, None], output, sampled_output)
-        num_accepted = torch.where(sampling.greedy, num_accepted, sampled_accepted)
+        by_rejection = ~(sampling.greedy | sampling.seeded)  # [B]
+        output = torch.where(by_rejection[:, None], sampled_output, output)
+        num_accepted = torch.where(by_rejection, sampled_accepted, num_accepted)
     emitted = torch.arange(width + 1, device=output.device)[None, :] <= num_accepted[:, None]
     return VerifyResult(output.masked_fill(~emitted, -1), num_accepted)
+
+
+def target_tokens(target_logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+    """[B, K+1]: the target's argmax for greedy rows, its keyed draw for seeded rows (anything for
+    unseeded sampled rows: rejection sampling decides those)."""
+    batch, width_plus_one, vocab = target_logits.shape
+    chosen = target_logits.argmax(dim=-1)
+    seeded_rows = [b for b, seed in enumerate(sampling.seeds) if seed is not None]
+    if seeded_rows:
+        rows = torch.tensor(seeded_rows, device=target_logits.device)
+        per_position = sampling.select(seeded_rows).repeat(width_plus_one)
+        draws = sample(target_logits[rows].flatten(0, 1), per_position)  # [S * (K+1)]
+        chosen[rows] = draws.view(len(seeded_rows), width_plus_one)
+    return chosen
 
 
 def _speculative_sampling(draft_token_ids, is_draft, num_draft, target_logits, draft_probs, sampling,
@@ -97,7 +125,7 @@ def _speculative_sampling(draft_token_ids, is_draft, num_draft, target_logits, d
     index = draft_token_ids.clamp(min=0)[..., None]
     p_draft = target_probs[:, :width].gather(-1, index).squeeze(-1)  # p_i(x_i)  [B, K]
     q_draft = draft_probs.gather(-1, index).squeeze(-1)  # q_i(x_i)  [B, K]
-    uniform = _uniform(batch, width, sampling.generators, target_probs.device)  # [B, K]
+    uniform = _uniform(batch, width, target_probs.device)  # [B, K]
     rate = torch.ones(batch, width, dtype=q_draft.dtype, device=q_draft.device)  # [B, K]: a at position 1
     if draft_rate is not None and width:
         rate[:, 0] = draft_rate
@@ -114,15 +142,13 @@ def _speculative_sampling(draft_token_ids, is_draft, num_draft, target_logits, d
     q_last = draft_probs[rows, last_draft] * rate[rows, last_draft][:, None] if width else torch.zeros_like(p_last)
     rejected = (num_accepted < num_draft)[:, None]
     final_probs = torch.where(rejected, residual_probs(p_last, q_last), p_last)
-    final_token = sample_from_probs(final_probs, sampling.generators)  # [B]
+    final_token = sample_from_probs(final_probs, None)  # [B] (only unseeded rows' are kept)
 
     output = torch.cat([draft_token_ids, draft_token_ids.new_zeros(batch, 1)], dim=1)  # [B, K+1]
     output[rows, last] = final_token
     return output, num_accepted
 
 
-def _uniform(batch: int, width: int, generators, device) -> torch.Tensor:
-    if all(g is None for g in generators):
-        return torch.rand(batch, width, device=device)
-    return torch.stack([torch.rand(width, generator=g, device=device) for g in generators]) if batch else \
-        torch.empty(0, width, device=device)
+def _uniform(batch: int, width: int, device: torch.device) -> torch.Tensor:
+    """[B, K] the acceptance tests' U(0, 1) draws (from the global generator: unseeded rows only)."""
+    return torch.rand(batch, width, device=device)

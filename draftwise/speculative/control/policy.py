@@ -90,15 +90,9 @@ class AdaptiveLength:
 
     def controller(self, seq: SequenceState) -> GoodputController:
         if seq.request_id not in self._controllers:
-            # A seeded request starts from the prior, not from what other requests taught: its k
-            # choices (and so how it draws its random numbers) then depend on itself alone, and the
-            # same seed gives the same output on the same machine.
-            seeded = seq.params.seed is not None
             memory = self.memory(seq)
-            start = AcceptanceEstimate.prior(self.max_tokens) if seeded else memory.estimate.copy()
             self._controllers[seq.request_id] = GoodputController(
-                self.costs, self.max_tokens, start, self.probe_interval,
-                start_interval=None if seeded else memory.interval)
+                self.costs, self.max_tokens, memory.estimate.copy(), self.probe_interval, start_interval=memory.interval)
         return self._controllers[seq.request_id]
 
     def num_tokens(self, seqs: list[SequenceState], lags: list[int], batch_size: int | None = None) -> list[int]:
@@ -109,8 +103,6 @@ class AdaptiveLength:
     def _solo(self, seq: SequenceState, lag: int, batch_rows: int) -> int:
         """The row's own choice; a catch-up must pay for every row of the batch that waits for it."""
         generated = len(seq.output_ids)
-        if seq.params.seed is not None:  # a seeded request decides from itself alone (see `controller`)
-            return self.controller(seq).choose(lag, seq.num_tokens_left, generated)
         expected = self.memory(seq).expected_tokens_left(generated)
         return self.controller(seq).choose(lag, seq.num_tokens_left, generated, expected, batch_rows)
 
@@ -119,13 +111,13 @@ class AdaptiveLength:
         to one shared verification pass, whose cost grows with the batch. Cap every row's k at a
         common c (c = 0: the whole batch takes a plain step), choosing c for the best batch
         goodput sum_b E_b(min(k_b, c)) / C(min(k_1, c), ..., min(k_B, c)). Rows whose solo choice
-        was 0 stay plain, so drafting and plain rows mix in one step. A seeded sampled row keeps
-        its choice: its output then depends on its seed alone, not on the batch it ran in."""
+        was 0 stay plain, so drafting and plain rows mix in one step. (No row's output depends on
+        its k: greedy and seeded rows emit what plain decoding emits, unseeded ones follow the
+        target's distribution whatever k is.)"""
         rates = [self.controller(seq).estimate.effective_rates() for seq in seqs]
-        fixed = [seq.params.seed is not None and not seq.params.greedy for seq in seqs]
         best, best_goodput = choices, -1.0
         for cap in range(max(choices), -1, -1):
-            capped = [k if keep else min(k, cap) for k, keep in zip(choices, fixed)]
+            capped = [min(k, cap) for k in choices]
             goodput = sum(expected_tokens(r, k) for r, k in zip(rates, capped)) / self.costs.batch_step_seconds(capped)
             if goodput > best_goodput * (1 + 1e-9):
                 best, best_goodput = capped, goodput
@@ -136,8 +128,7 @@ class AdaptiveLength:
         controller.observe(num_drafted, num_accepted)
         for memory in self._memories(seq):
             memory.estimate.observe(num_drafted, num_accepted)
-            if seq.params.seed is None:
-                memory.interval = controller.interval
+            memory.interval = controller.interval
 
     def release(self, seq: SequenceState) -> None:
         if self._controllers.pop(seq.request_id, None) is not None:

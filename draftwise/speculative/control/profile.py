@@ -118,7 +118,6 @@ class ProfilingSequence:
     request_id: str = "cost-profile"
     row: int | None = None
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=None))
-    generator: None = None
     segment: None = None
     output_ids: list[int] = field(default_factory=list)
 
