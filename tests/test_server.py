@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from draftwise import LLM, SamplingParams  # noqa: E402
-from draftwise.server.app import build_app  # noqa: E402
+from draftwise.server.app import ServerOptions, build_app  # noqa: E402
 from draftwise.server.async_engine import AsyncEngine  # noqa: E402
 
 MODEL = "tiny"
@@ -23,7 +23,7 @@ class LiveServer:
 
     def __init__(self, llm, api_key=None):
         self.engine = AsyncEngine(llm)
-        app = build_app(self.engine, MODEL, api_key=api_key)
+        app = build_app(self.engine, MODEL, ServerOptions(api_key=api_key))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]

@@ -65,6 +65,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None  # set when finish_reason is "error": what went wrong (other requests are unharmed)
+    error_reason: str | None = None  # a short label of the failure ("engine_error", "kv_cache_full")
     delta: str = ""  # from LLM.step: text new since the previous output (stop-string safe)
     num_new_tokens: int = 0  # from LLM.step: tokens new since the previous output
 

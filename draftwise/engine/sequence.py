@@ -121,4 +121,5 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
-                             list(self.output_ids), self.finish_reason, self.metrics, error=self.error)
+                             list(self.output_ids), self.finish_reason, self.metrics, error=self.error,
+                             error_reason=self.error_reason)

@@ -3,13 +3,18 @@
 Handlers never touch the LLM: they post to the engine thread's inbox (add a request, abort one)
 and await what it sends back. Between steps the thread drains the inbox, so requests join the
 running batch as they arrive, and one whose client went away is aborted before the next step,
-which frees its KV blocks at once. `shutdown` stops taking requests, lets in-flight ones finish
-for a grace period, then ends the rest cleanly.
+which frees its KV blocks at once. A request that fails inside a step ends alone (its last output
+has finish_reason "error"); if the step loop itself breaks, every open stream gets the error.
+
+Draining (`drain`): new requests are refused (`EngineDraining`: 503 with Retry-After), running and
+queued ones go on until they finish or the timeout passes; then the rest end with `EngineStopped`,
+which a stream turns into an error event, never a silent cut.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -22,8 +27,14 @@ from draftwise.errors import DraftwiseError
 from draftwise.llm import LLM
 from draftwise.sampling.params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 class EngineStopped(DraftwiseError):
+    """The server stopped before the request finished."""
+
+
+class EngineDraining(EngineStopped):
     """The server is shutting down and takes no new requests."""
 
 
@@ -41,9 +52,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+    def __init__(self, llm: LLM, on_change: Callable[[dict], None] | None = None) -> None:
         self.llm = llm
-        self.on_step = on_step  # called on the engine thread after every step (metrics)
+        self.on_change = on_change  # called on the engine thread with `llm.engine_stats()` after every change
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # key -> stream (engine thread only)
@@ -52,13 +63,17 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="draftwise-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
     # --- handlers' side ---------------------------------------------------------------------
-    async def generate(self, prompt: str, params: SamplingParams, **options) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, **options) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it runs (each with the text delta since the previous one);
         the last one is finished. Bad input raises before the first output. Leaving the loop
         early aborts the request."""
         if not self._accepting:
-            raise EngineStopped("the server is shutting down")
+            raise EngineDraining("the server is shutting down; retry on another replica or later")
         key = uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop())
         self._post(("add", key, stream, prompt, params, options))
@@ -79,14 +94,18 @@ class AsyncEngine:
             if not finished:
                 self._post(("abort", key))
 
-    def shutdown(self, grace_seconds: float = 10.0) -> None:
-        """Refuse new requests, let running ones finish for up to `grace_seconds`, end the rest."""
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests, let admitted ones finish for up to `timeout` seconds, end the rest
+        with `EngineStopped`, and stop the engine thread."""
         self._accepting = False
-        deadline = time.monotonic() + grace_seconds
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (self._streams or not self._inbox.empty()):
             time.sleep(0.05)
         self._post(("stop",))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
+
+    def shutdown(self, grace_seconds: float = 10.0) -> None:
+        self.drain(grace_seconds)
 
     def _post(self, message: tuple) -> None:
         self._inbox.put(message)
@@ -95,7 +114,8 @@ class AsyncEngine:
     # --- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox()
+            if self._drain_inbox():
+                self._changed()
             if self._stop.is_set():
                 break
             if not self.llm.has_unfinished_requests():
@@ -104,28 +124,35 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.llm.step()
-            except Exception as error:  # never leave a client hanging: fail what was running
-                self._end_all(error)
+            except Exception as error:  # the step loop itself broke: never leave a client hanging
+                logger.exception("the engine step failed outside any one request")
+                self._end_all(EngineStopped(f"the engine failed: {type(error).__name__}: {error}"))
                 continue
-            if self.on_step is not None:
-                self.on_step(outputs)
-            by_request = {stream.request_id: key for key, stream in self._streams.items()}
-            for output in outputs:
-                key = by_request.get(output.request_id)
-                if key is None:
-                    continue
-                stream = self._streams[key]
-                if output.finished:
-                    del self._streams[key]
-                stream.send(output)
-        self._end_all(EngineStopped("the server shut down"))
+            self._deliver(outputs)
+            self._changed()
+        self._end_all(EngineStopped("the server shut down before this request finished"))
+        self._changed()
 
-    def _drain_inbox(self) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_request = {stream.request_id: key for key, stream in self._streams.items()}
+        for output in outputs:
+            key = by_request.get(output.request_id)
+            if key is None:
+                continue
+            stream = self._streams[key]
+            if output.finished:
+                del self._streams[key]
+            stream.send(output)
+
+    def _drain_inbox(self) -> bool:
+        """Carry out what handlers posted; whether anything changed."""
+        changed = False
         while True:
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return changed
+            changed = True
             if message[0] == "add":
                 _, key, stream, prompt, params, options = message
                 try:
@@ -141,6 +168,13 @@ class AsyncEngine:
                     self.llm.abort_request(stream.request_id)
             elif message[0] == "stop":
                 self._stop.set()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(self.llm.engine_stats())
+            except Exception:  # metrics must never stop the engine
+                logger.exception("updating metrics failed")
 
     def _end_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

@@ -24,6 +24,11 @@ class ServerMetrics:
         spec_labels = ["model_name", "segment", "method"]
         r = self.registry
         self.requests = Counter("draftwise:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
+        self.aborted = Counter("draftwise:request_aborted", "Requests ended before they finished, by reason "
+                               "(client_disconnected, shutdown).", labels + ["reason"], registry=r)
+        self.failed = Counter("draftwise:request_failed", "Requests answered with an error, by its code "
+                              "(a 4xx's, or engine_error / kv_cache_full for a request that failed while running).",
+                              labels + ["reason"], registry=r)
         self.prompt_tokens = Counter("draftwise:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("draftwise:generation_tokens", "Tokens generated.", labels, registry=r)
         self.ttft = Histogram("draftwise:time_to_first_token_seconds", "Time to first token.", labels,
@@ -57,8 +62,14 @@ class ServerMetrics:
             return label
         return "other"
 
+    def observe_aborted(self, reason: str) -> None:
+        self.aborted.labels(self.model_name, reason).inc()
+
+    def observe_failed(self, reason: str) -> None:
+        self.failed.labels(self.model_name, reason).inc()
+
     def observe_step(self, stats: dict) -> None:
-        """Engine state after a step (from `LLM.engine_stats`)."""
+        """Engine state after anything changed it (from `LLM.engine_stats`)."""
         m = self.model_name
         self.running.labels(m).set(stats["running"])
         self.waiting.labels(m).set(stats["waiting"])
@@ -74,7 +85,10 @@ class ServerMetrics:
 
     def observe_finished(self, output: RequestOutput, segment: str, method: str | None) -> None:
         m, metrics = self.model_name, output.metrics
-        self.requests.labels(m, output.finish_reason or "abort").inc()
+        if output.finish_reason == "error":
+            self.observe_failed(output.error_reason or "engine_error")
+        else:
+            self.requests.labels(m, output.finish_reason or "abort").inc()
         self.prompt_tokens.labels(m).inc(metrics.num_prompt_tokens)
         self.generation_tokens.labels(m).inc(metrics.num_generated_tokens)
         if metrics.time_to_first_token is not None:

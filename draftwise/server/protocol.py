@@ -1,109 +1,119 @@
-"""Request and response bodies of the OpenAI API (the fields draftwise serves), and its error shape.
+"""Request bodies of the OpenAI API: every field OpenAI's schemas define for completions and chat
+completions, and draftwise's extensions. Nothing else is accepted (an unknown field is a 400 naming
+it), types are strict (no "10" for 10, no true for 1), numbers finite. Which of these fields are
+served and which are refused until implemented is `requests.py`'s job.
 
-Validation is pydantic's: a field of the wrong type or out of range is a 400 with the field named.
 Extensions, ignored by OpenAI clients: `speculative` (per-request speculation), `segment` (a traffic
 label for metrics), `top_k`, `ignore_eos`, and `usage.speculation` in responses.
 """
 
 from __future__ import annotations
 
-import re
-import time
-import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-SEGMENT_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+SEGMENT_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Strict = ConfigDict(strict=True, extra="forbid")
 
 
 class SpeculationRequest(BaseModel):
     """Per-request speculation: {"enabled": false}, or a method and/or k among those served."""
 
-    model_config = ConfigDict(extra="forbid")
-    enabled: bool = True
-    method: str | None = None  # a registered drafter the server was started with or builds on first use
-    num_speculative_tokens: int | None = Field(default=None, ge=0, le=64)
+    model_config = Strict
+    enabled: StrictBool = True
+    method: StrictStr | None = None
+    num_speculative_tokens: StrictInt | None = Field(default=None, ge=0, le=64)
+
+
+class StreamOptions(BaseModel):
+    model_config = Strict
+    include_usage: StrictBool | None = None
+    include_obfuscation: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI fields we do not use (user, logit_bias: none) are ignored
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    ignore_eos: bool = False
-    logprobs: bool | int | None = None
+    """Fields both endpoints share."""
+
+    model_config = Strict
+    model: StrictStr
+    frequency_penalty: Number | None = None
+    logit_bias: dict[StrictStr, StrictInt] | None = None
+    n: StrictInt | None = None
+    presence_penalty: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    user: StrictStr | None = None
+    # draftwise's extensions
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    ignore_eos: StrictBool | None = None
     speculative: SpeculationRequest | None = None
-    segment: str | None = None
-
-    @field_validator("segment")
-    @classmethod
-    def _segment_is_a_label(cls, value: str | None) -> str | None:
-        if value is not None and not SEGMENT_PATTERN.match(value):
-            raise ValueError("segment must be 1-64 characters of letters, digits, '_', '.', ':' or '-'")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
+    segment: StrictStr | None = Field(default=None, pattern=SEGMENT_PATTERN)
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
-    echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("give one prompt per request (a string, or a list of one string)")
-        return value
-
-    @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    logprobs: StrictInt | None = None
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    suffix: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    """One message of any role; which keys a role may carry is checked in `requests.py`."""
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts are served
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
+    model_config = Strict
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[dict] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[dict] | None = None
+    function_call: dict | None = None
+    refusal: StrictStr | None = None
+    audio: dict | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    audio: dict | None = None
+    function_call: StrictStr | dict | None = None
+    functions: list[dict] | None = None
+    logprobs: StrictBool | None = None
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    metadata: dict[StrictStr, StrictStr] | None = None
+    modalities: list[StrictStr] | None = None
+    moderation: dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    prediction: dict | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_options: dict | None = None
+    prompt_cache_retention: StrictStr | None = None
+    reasoning_effort: StrictStr | None = None
+    response_format: dict | None = None
+    safety_identifier: StrictStr | None = None
+    service_tier: StrictStr | None = None
+    store: StrictBool | None = None
+    tool_choice: StrictStr | dict | None = None
+    tools: list[dict] | None = None
+    top_logprobs: StrictInt | None = None
+    verbosity: StrictStr | None = None
+    web_search_options: dict | None = None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

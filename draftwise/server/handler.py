@@ -1,0 +1,138 @@
+"""Serving one request: parse its body, map it, tokenize it off the event loop, run it on the
+engine, and answer with a body or a stream. Every failure becomes a `RequestError` (an HTTP status
+and an OpenAI-shaped error); nothing here ever answers with a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from draftwise.engine.outputs import RequestOutput
+from draftwise.errors import DraftwiseError, PromptTooLongError
+from draftwise.server.async_engine import AsyncEngine, EngineDraining, EngineStopped
+from draftwise.server.metrics import ServerMetrics
+from draftwise.server.protocol import SamplingFields
+from draftwise.server.requests import EngineRequest, RequestError, Served, ServerLimits
+from draftwise.server.responses import new_id, now, response_body
+from draftwise.server.streaming import StreamContext, stream_events
+
+RETRY_AFTER_SECONDS = 5
+FAILED_STATUS = {"kv_cache_full": 503}  # a request that failed while running: 500 unless listed
+
+
+@dataclass(slots=True)
+class RequestHandler:
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    limits: ServerLimits
+    served: Served
+    max_prompt_chars: int  # a prompt longer than this cannot fit the context, whatever its tokens
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise RequestError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                               "model", "model_not_found")
+
+    async def run(self, request: Request, body: SamplingFields, engine_request: EngineRequest):
+        prompt = await asyncio.to_thread(self._tokenize, engine_request)  # the tokenizer releases the GIL
+        outputs = self.engine.generate(prompt, engine_request.params, **engine_request.options)
+        first = await self._first_output(outputs)
+        prefix = "chatcmpl" if engine_request.chat else "cmpl"
+        context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
+                                self.metrics.segment(body.segment), engine_request.method)
+        if body.stream:
+            return StreamingResponse(stream_events(first, outputs, context, self.metrics),
+                                     media_type="text/event-stream")
+        final = await self._last_output(request, first, outputs)
+        if final.finish_reason == "error":
+            raise RequestError(FAILED_STATUS.get(final.error_reason, 500), final.error or "the request failed",
+                               kind="server_error", code=final.error_reason or "engine_error")
+        self.metrics.observe_finished(final, context.segment, context.method)
+        return JSONResponse(response_body(final, context.request_id, context.created, self.model_name,
+                                          engine_request.chat))
+
+    def _tokenize(self, request: EngineRequest) -> dict:
+        """The prompt as token ids (a chat through its template), its length checked first."""
+        if request.num_prompt_chars > self.max_prompt_chars:
+            raise RequestError(400, f"the prompt has {request.num_prompt_chars} characters: more tokens than "
+                               f"this model's context holds", "messages" if request.chat else "prompt",
+                               "context_length_exceeded")
+        tokenizer = self.engine.llm.tokenizer
+        try:
+            if request.chat:
+                ids = tokenizer.encode(tokenizer.apply_chat_template(request.messages))
+            elif request.text is not None:
+                ids = tokenizer.encode(request.text)
+            else:
+                ids = request.token_ids
+        except DraftwiseError as error:  # a chat template that refused the conversation
+            raise RequestError(400, str(error), "messages" if request.chat else "prompt") from None
+        return {"prompt_token_ids": ids, "prompt": request.text or ""}
+
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The request's first output; refusals (bad input, a full server, shutdown) surface here,
+        before any response starts."""
+        try:
+            return await anext(outputs)
+        except PromptTooLongError as error:
+            raise RequestError(400, str(error), "prompt", "context_length_exceeded") from None
+        except EngineDraining as error:
+            raise RequestError(503, str(error), kind="server_error", code="server_shutting_down",
+                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except EngineStopped as error:
+            raise RequestError(503, str(error), kind="server_error", code="server_shutting_down") from None
+        except DraftwiseError as error:
+            raise RequestError(400, str(error)) from None
+
+    async def _last_output(self, request: Request, first: RequestOutput,
+                           outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """Run a non-streamed request to its end (aborted if its client goes away)."""
+        final = first
+        try:
+            while not final.finished:
+                final = await anext(outputs)
+                if not final.finished and await request.is_disconnected():
+                    self.metrics.observe_aborted("client_disconnected")
+                    break
+        except EngineStopped as error:
+            self.metrics.observe_aborted("shutdown")
+            raise RequestError(503, str(error), kind="server_error", code="server_shutting_down") from None
+        finally:
+            await outputs.aclose()
+        return final
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body validated strictly (the raw JSON parser: lone surrogates and NaN are refused); a
+    failure is a 400 naming the field, without echoing the input."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise describe(error) from None
+
+
+def describe(error: ValidationError) -> RequestError:
+    first = error.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return RequestError(400, f"the request body is not valid JSON{': ' + detail if detail else ''}")
+    location = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
+    if first["type"] == "extra_forbidden":
+        return RequestError(400, f"unknown field {location!r}: not a field of this endpoint (OpenAI's, or draftwise's "
+                            "extensions)", location, "unknown_parameter")
+    if first["type"] == "missing":
+        return RequestError(400, f"{location} is required", location)
+    return RequestError(400, f"{location or 'body'}: {first['msg']}", location or None)
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic names a union's member in an error's location ("str", "list[int]"): not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict") or "[" in part
+                                      or part.startswith(("function-", "constrained-")))

@@ -1,0 +1,221 @@
+"""From an OpenAI request body to what the engine runs: the prompt, `SamplingParams` and options.
+
+Every field of the OpenAI schemas is either served or refused here with a 400 that names it; a
+field is accepted unserved only where its value is the neutral one (`n: 1`, `presence_penalty: 0`,
+`tools: []`, `response_format: {"type": "text"}` ...) or where it changes no output (`user`,
+`metadata`, `safety_identifier`, `prompt_cache_key`: labels and hints). Limits (stop strings, the
+prompt's size before it is tokenized) come from `ServerLimits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draftwise.errors import InvalidParameterError
+from draftwise.sampling.params import SamplingParams
+from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+LATER = {"penalties": "penalties and logit_bias are not implemented yet",
+         "logprobs": "logprobs are not implemented yet",
+         "n": "one choice per request (n = 1, best_of = 1)",
+         "tools": "tools and function calling are not implemented yet",
+         "format": "structured outputs (response_format) are not implemented yet",
+         "fim": "echo and suffix are not implemented yet",
+         "openai": "a feature of OpenAI's hosted models that this server does not have"}
+
+# field -> (is the value neutral?, why anything else is refused)
+_COMMON: dict[str, tuple[Callable, str]] = {
+    "frequency_penalty": (lambda v: v in (None, 0), LATER["penalties"]),
+    "presence_penalty": (lambda v: v in (None, 0), LATER["penalties"]),
+    "logit_bias": (lambda v: not v, LATER["penalties"]),
+    "n": (lambda v: v in (None, 1), LATER["n"]),
+}
+_COMPLETIONS: dict[str, tuple[Callable, str]] = {
+    "best_of": (lambda v: v in (None, 1), LATER["n"]),
+    "echo": (lambda v: v in (None, False), LATER["fim"]),
+    "logprobs": (lambda v: v is None, LATER["logprobs"]),
+    "suffix": (lambda v: v is None, LATER["fim"]),
+}
+_CHAT: dict[str, tuple[Callable, str]] = {
+    "audio": (lambda v: v is None, LATER["openai"]),
+    "function_call": (lambda v: v in (None, "none"), LATER["tools"]),
+    "functions": (lambda v: not v, LATER["tools"]),
+    "logprobs": (lambda v: v in (None, False), LATER["logprobs"]),
+    "top_logprobs": (lambda v: v in (None, 0), LATER["logprobs"]),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is served"),
+    "moderation": (lambda v: v is None, LATER["openai"]),
+    "prediction": (lambda v: v is None, "predicted outputs are not implemented yet"),
+    "prompt_cache_options": (lambda v: v is None, LATER["openai"]),
+    "prompt_cache_retention": (lambda v: v is None, LATER["openai"]),
+    "reasoning_effort": (lambda v: v is None, "this model does not reason in a separate channel"),
+    "response_format": (lambda v: v in (None, {"type": "text"}), LATER["format"]),
+    "service_tier": (lambda v: v in (None, "auto", "default"), LATER["openai"]),
+    "store": (lambda v: v in (None, False), "completions are not stored"),
+    "tool_choice": (lambda v: v in (None, "none"), LATER["tools"]),
+    "tools": (lambda v: not v, LATER["tools"]),
+    "verbosity": (lambda v: v is None, LATER["openai"]),
+    "web_search_options": (lambda v: v is None, LATER["openai"]),
+}
+
+
+class RequestError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body gets 413 before it is read
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The speculation this server offers: the drafters a request may name, and the default."""
+
+    methods: frozenset[str]
+    default: str | None
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """What one request asks the engine for (the prompt not yet tokenized)."""
+
+    params: SamplingParams
+    options: dict  # LLM.add_request's keyword options
+    text: str | None = None  # a completion's prompt text
+    token_ids: list[int] | None = None  # a completion's prompt as token ids
+    messages: list[dict] | None = None  # a chat: [{"role", "content"}] for the chat template
+    num_prompt_chars: int = 0  # the prompt's characters before tokenizing (the length check)
+    chat: bool = False
+    method: str | None = None  # the drafter it runs with (metrics), None: plain
+
+
+def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
+    _refuse_unserved(body, {**_COMMON, **_COMPLETIONS})
+    request = EngineRequest(_sampling_params(body, body.max_tokens, limits), _options(body, served))
+    prompt = body.prompt
+    if prompt is None:
+        raise RequestError(400, "prompt is required", "prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        if len(prompt) != 1:
+            raise RequestError(400, "send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        if not prompt:
+            raise RequestError(400, "prompt is empty", "prompt")
+        request.token_ids = prompt
+    else:
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise RequestError(400, "send one prompt per request (a string, or a list of one string)", "prompt")
+            prompt = prompt[0]
+        request.text = prompt
+        request.num_prompt_chars = len(prompt)
+    request.method = _method(request.options, served)
+    return request
+
+
+def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
+    _refuse_unserved(body, {**_COMMON, **_CHAT})
+    request = EngineRequest(_sampling_params(body, body.token_limit, limits), _options(body, served), chat=True)
+    request.messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)]
+    request.num_prompt_chars = sum(len(m["content"]) for m in request.messages)
+    request.method = _method(request.options, served)
+    return request
+
+
+def _refuse_unserved(body: SamplingFields, table: dict[str, tuple[Callable, str]]) -> None:
+    for name, (neutral, why) in table.items():
+        if not neutral(getattr(body, name)):
+            raise RequestError(400, f"{name} is not supported: {why}", name, "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise RequestError(400, "stream_options needs stream: true", "stream_options")
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise RequestError(400, "stream_options.include_obfuscation is not supported", "stream_options",
+                           "unsupported_parameter")
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    where = f"messages[{index}]"
+    if message.role in ("tool", "function"):
+        raise RequestError(400, f"{where}: {message.role} messages are not supported: {LATER['tools']}",
+                           f"{where}.role", "unsupported_parameter")
+    for key in ("tool_calls", "function_call"):
+        if getattr(message, key):
+            raise RequestError(400, f"{where}.{key} is not supported: {LATER['tools']}", f"{where}.{key}",
+                               "unsupported_parameter")
+    for key in ("tool_call_id", "refusal", "audio"):
+        if getattr(message, key) is not None:
+            raise RequestError(400, f"{where}.{key} is not supported on a {message.role} message", f"{where}.{key}",
+                               "unsupported_parameter")
+    if message.name is not None:
+        raise RequestError(400, f"{where}.name is not supported: the chat template has no place for "
+                           "participant names", f"{where}.name", "unsupported_parameter")
+    if message.content is None:
+        raise RequestError(400, f"{where}.content is required", f"{where}.content")
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        kind = part.get("type")
+        if kind != "text" or set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            shown = kind if isinstance(kind, str) else "without a type"
+            raise RequestError(400, f"{where}.content[{j}]: content parts of type {shown!r} are not supported "
+                               "(text parts {\"type\": \"text\", \"text\": ...} only)", f"{where}.content[{j}]",
+                               "unsupported_parameter")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: ServerLimits) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > limits.max_stop_sequences:
+        raise RequestError(400, f"stop holds {len(stop)} sequences; at most {limits.max_stop_sequences}", "stop")
+    if any(len(s) > limits.max_stop_chars for s in stop):
+        raise RequestError(400, f"a stop sequence is longer than {limits.max_stop_chars} characters", "stop")
+    try:
+        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+                              max_tokens=max_tokens, stop=stop, ignore_eos=bool(body.ignore_eos))
+    except InvalidParameterError as error:
+        raise RequestError(400, str(error), _param_named(str(error))) from None
+
+
+def _options(body: SamplingFields, served: Served) -> dict:
+    options = {"max_tokens_must_fit": True, "segment": body.segment}
+    spec = body.speculative
+    if spec is not None:
+        if not spec.enabled or spec.num_speculative_tokens == 0:
+            options["speculative"] = {"enabled": False}
+        else:
+            if spec.method is not None and spec.method not in served.methods:
+                raise RequestError(400, f"speculative method {spec.method!r} is not served here; served: "
+                                   f"{sorted(served.methods) or 'none'}", "speculative.method")
+            options["speculative"] = spec.model_dump(exclude_none=True)
+    return options
+
+
+def _method(options: dict, served: Served) -> str | None:
+    """The drafter a request runs with (for metrics labels; None: plain decoding)."""
+    speculative = options.get("speculative")
+    if speculative is None:
+        return served.default
+    if speculative.get("enabled", True) is False:
+        return None
+    return speculative.get("method") or served.default
+
+
+def _param_named(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None

@@ -1,0 +1,59 @@
+"""Response bodies and stream chunks in OpenAI's shapes, and server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from draftwise.engine.outputs import RequestOutput
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def object_name(chat: bool, streaming: bool) -> str:
+    if chat:
+        return "chat.completion.chunk" if streaming else "chat.completion"
+    return "text_completion"
+
+
+def chunk(request_id: str, created: int, model: str, chat: bool, content, finish_reason: str | None) -> dict:
+    choice = ({"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": None} if chat
+              else {"index": 0, "text": content, "finish_reason": finish_reason, "logprobs": None})
+    return {"id": request_id, "object": object_name(chat, True), "created": created, "model": model,
+            "choices": [choice]}
+
+
+def response_body(output: RequestOutput, request_id: str, created: int, model: str, chat: bool) -> dict:
+    choice = ({"index": 0, "message": {"role": "assistant", "content": output.text},
+               "finish_reason": output.finish_reason, "logprobs": None} if chat
+              else {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": None})
+    return {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
+            "choices": [choice], "usage": usage(output)}
+
+
+def usage(output: RequestOutput) -> dict:
+    metrics = output.metrics
+    body = {"prompt_tokens": metrics.num_prompt_tokens, "completion_tokens": metrics.num_generated_tokens,
+            "total_tokens": metrics.num_prompt_tokens + metrics.num_generated_tokens}
+    spec = metrics.spec
+    if spec is not None and (spec.num_drafts or spec.num_plain_steps):
+        body["speculation"] = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                               "num_accepted_tokens": spec.num_accepted_tokens,
+                               "acceptance_rate": round(spec.acceptance_rate, 4),
+                               "mean_acceptance_length": round(spec.mean_acceptance_length, 4),
+                               "mean_acceptance_length_counts_bonus_token": True}
+    return body
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,79 @@
+"""One streamed response: server-sent events from a request's outputs, always ending in `[DONE]`.
+
+A request that fails while running, or a server that stops before it finishes, ends the stream
+with an OpenAI-shaped error event (`data: {"error": {...}}`) and then `[DONE]`, never a silent
+cut. A client that goes away has its request aborted (closing the output iterator does that).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from draftwise.engine.outputs import RequestOutput
+from draftwise.server.async_engine import EngineStopped
+from draftwise.server.metrics import ServerMetrics
+from draftwise.server.protocol import error_body
+from draftwise.server.responses import DONE, chunk, object_name, sse, usage
+
+
+@dataclass(frozen=True, slots=True)
+class StreamContext:
+    request_id: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+    segment: str
+    method: str | None
+
+
+async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput], context: StreamContext,
+                        metrics: ServerMetrics) -> AsyncIterator[str]:
+    chat = context.chat
+    last_time = time.perf_counter()
+    final = first
+    ended = False
+    try:
+        if chat:
+            yield sse(chunk(context.request_id, context.created, context.model, chat,
+                            {"role": "assistant", "content": ""}, None))
+        output = first
+        while True:
+            if output.finish_reason == "error":
+                final, ended = output, True
+                yield sse(error_body(output.error or "the request failed", "server_error",
+                                     code=output.error_reason or "engine_error"))
+                yield DONE
+                return
+            if output.delta or output.finished:
+                now_time = time.perf_counter()
+                metrics.observe_tokens(output.num_new_tokens, now_time - last_time)
+                last_time = now_time
+                content = {"content": output.delta} if chat else output.delta
+                if output.delta:
+                    yield sse(chunk(context.request_id, context.created, context.model, chat, content, None))
+                if output.finished:
+                    yield sse(chunk(context.request_id, context.created, context.model, chat, {} if chat else "",
+                                    output.finish_reason))
+            final = output
+            if output.finished:
+                break
+            output = await anext(outputs)
+        if context.include_usage:
+            yield sse({"id": context.request_id, "object": object_name(chat, True), "created": context.created,
+                       "model": context.model, "choices": [], "usage": usage(final)})
+        ended = True
+        yield DONE
+    except EngineStopped as error:
+        ended = True
+        metrics.observe_aborted("shutdown")
+        yield sse(error_body(str(error), "server_error", code="server_shutting_down"))
+        yield DONE
+    finally:
+        await outputs.aclose()  # a client gone mid-stream aborts its request here
+        if final.finished:
+            metrics.observe_finished(final, context.segment, context.method)
+        elif not ended:
+            metrics.observe_aborted("client_disconnected")
