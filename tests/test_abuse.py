@@ -1,0 +1,225 @@
+"""The abuse suite: a hostile client sends everything in `hostile_requests.py` while 8 ordinary
+streams run; every ordinary stream finishes with its solo text, every hostile request gets its
+4xx. Plus: a request that fails while running ends with an error event, the event loop is never
+blocked by tokenization, the API key's scheme is case-insensitive, and SIGTERM drains."""
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from draftwise import LLM, SamplingParams
+from draftwise.benchmark.hostile_requests import catalogue
+from draftwise.server.app import ServerOptions, build_app
+from draftwise.server.async_engine import AsyncEngine
+from draftwise.server.requests import ServerLimits
+from draftwise.server.serving import DrainingServer
+
+MODEL = "tiny"
+LIMITS = ServerLimits(max_request_bytes=2**20)
+PROMPTS = [f"def f{i}(x):" + " return x" * (i % 3) for i in range(8)]
+ORDINARY = dict(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+class Server:
+    """A DrainingServer on a free loopback port, in a thread, answering only loopback names."""
+
+    def __init__(self, llm, drain_timeout=30.0, api_key=None):
+        self.llm, self.engine = llm, AsyncEngine(llm)
+        options = ServerOptions(api_key=api_key, allowed_hosts=frozenset({"127.0.0.1", "localhost"}), limits=LIMITS,
+                                drain_timeout=drain_timeout)
+        app = build_app(self.engine, MODEL, options)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = DrainingServer(config, self.engine, drain_timeout)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.handle_exit(signal.SIGTERM, None)
+        self.thread.join(timeout=60)
+
+
+def build_llm(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+               speculative={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.fixture(scope="module")
+def solo_texts(tiny_qwen):
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=1, progress=False)
+    return [llm.generate(p, SamplingParams(**ORDINARY))[0].text for p in PROMPTS]
+
+
+async def ordinary_stream(client: httpx.AsyncClient, prompt: str) -> str:
+    body = {"model": MODEL, "prompt": prompt, "stream": True, **ORDINARY}
+    text, done = "", False
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += event["choices"][0]["text"]
+    assert done
+    return text
+
+
+def test_hostile_client_beside_ordinary_streams(tiny_qwen, solo_texts):
+    server = Server(build_llm(tiny_qwen))
+    hostile = catalogue(MODEL, LIMITS.max_request_bytes)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                         limits=httpx.Limits(max_connections=64)) as client:
+                streams = [asyncio.create_task(ordinary_stream(client, p)) for p in PROMPTS]
+                answers = []
+                for request in hostile:  # one after another, while the streams run
+                    answers.append(await request.send_async(client))
+                return await asyncio.gather(*streams), answers
+
+        texts, answers = asyncio.run(run())
+        assert texts == solo_texts
+        problems = [p for request, answer in zip(hostile, answers) for p in request.problems(answer)]
+        assert not problems, "\n".join(problems)
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'draftwise:request_failed_total{model_name="tiny",reason="unsupported_parameter"}' in metrics
+        stats = server.llm.engine_stats()
+        assert stats["running"] == stats["waiting"] == stats["kv_blocks_in_use"] == 0
+    finally:
+        server.stop()
+
+
+def test_a_request_failing_while_running_ends_with_an_error_event(tiny_qwen, solo_texts, monkeypatch):
+    llm = build_llm(tiny_qwen)
+    poison = llm.tokenizer.encode("POISON")
+    forward = llm.runner.forward
+
+    def faulty_forward(rows, token_ids, num_logits, **kwargs):
+        if any(ids[:len(poison)] == poison for ids in token_ids):
+            raise RuntimeError("injected fault")
+        return forward(rows, token_ids, num_logits, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "forward", faulty_forward)
+    server = Server(llm)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+                streams = [asyncio.create_task(ordinary_stream(client, p)) for p in PROMPTS]
+                body = {"model": MODEL, "prompt": "POISON and more", "max_tokens": 4}
+                async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                    lines = [line async for line in response.aiter_lines() if line]
+                whole = await client.post("/v1/completions", json=body)
+                return await asyncio.gather(*streams), lines, whole
+
+        texts, lines, whole = asyncio.run(run())
+        assert texts == solo_texts
+        assert lines[-1] == "data: [DONE]" and "injected fault" in json.loads(lines[-2][6:])["error"]["message"]
+        assert whole.status_code == 500 and whole.json()["error"]["code"] == "engine_error"
+    finally:
+        server.stop()
+
+
+def test_tokenizing_never_blocks_the_event_loop(tiny_qwen, monkeypatch):
+    llm = build_llm(tiny_qwen)
+    encode = llm.tokenizer.encode
+
+    def slow_encode(text):
+        time.sleep(1.5)  # a maximum-size prompt, as slow as it gets
+        return encode(text)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", slow_encode)
+    server = Server(llm)
+    try:
+        slow = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", timeout=60,
+                                                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2}))
+        slow.start()
+        time.sleep(0.3)  # the slow request is being tokenized now
+        started = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        assert time.perf_counter() - started < 0.5  # (tokenizing inline would have taken >1 s)
+        slow.join()
+    finally:
+        server.stop()
+
+
+def test_api_key_scheme_is_case_insensitive_and_the_key_exact(tiny_qwen):
+    server = Server(build_llm(tiny_qwen), api_key="sesame")
+    try:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for header, status in (("Bearer sesame", 200), ("bearer sesame", 200), ("BEARER sesame", 200),
+                               ("Bearer sesame2", 401), ("Basic sesame", 401), ("sesame", 401)):
+            response = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": header})
+            assert response.status_code == status, header
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_ones(tiny_qwen):
+    server = Server(build_llm(tiny_qwen), drain_timeout=60)
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    lines, streaming = [], threading.Event()
+
+    def read():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert streaming.wait(timeout=30)
+    server.server.handle_exit(signal.SIGTERM, None)
+    time.sleep(0.2)
+    refused = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert httpx.get(server.url + "/health").status_code == 503
+    reader.join(timeout=120)
+    server.thread.join(timeout=60)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)  # it finished, whole
+    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1] if line.startswith("data: ")]
+    assert finish[-1] == "length"
+    assert not server.thread.is_alive()
+
+
+def test_a_drain_that_times_out_ends_streams_with_an_error_event(tiny_qwen):
+    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=4, progress=False)
+    server = Server(llm, drain_timeout=0.2)
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 480, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    lines, streaming = [], threading.Event()
+
+    def read():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    streaming.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert streaming.wait(timeout=30)
+    server.server.handle_exit(signal.SIGTERM, None)
+    reader.join(timeout=60)
+    server.thread.join(timeout=60)
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][6:])
+    assert llm.engine_stats()["kv_blocks_in_use"] == 0
