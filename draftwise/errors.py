@@ -31,3 +31,8 @@ class FetchError(DraftwiseError):
 
 class KVCacheFullError(DraftwiseError):
     """The KV cache has no free block for a sequence (the scheduler preempts before this happens)."""
+
+
+class ChatTemplateError(DraftwiseError, ValueError):
+    """A conversation the model's chat template cannot render, in the template's own words (or a
+    model without a chat template). It is the conversation's or the model's fault: HTTP 400."""

@@ -6,11 +6,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from draftwise.errors import DraftwiseError, ModelFormatError
+from draftwise.chat_template import ChatTemplate, find_chat_template
+from draftwise.errors import ChatTemplateError, ModelFormatError
 
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -26,9 +25,11 @@ class Tokenizer:
         self._tokenizer = HFTokenizer.from_file(str(path))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template: str | None = find_chat_template(folder, config)  # the Jinja source
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self._chat_template = (ChatTemplate(self.chat_template, self.name, self.bos_token, self.eos_token)
+                               if self.chat_template else None)
         self.add_bos_token: bool = bool(config.get("add_bos_token", False))
         self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
         special = {token.content: index for index, token in self._tokenizer.get_added_tokens_decoder().items()
@@ -74,30 +75,21 @@ class Tokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise DraftwiseError(f"model {self.name!r} has no chat template; use generate() with plain text")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as error:
-            raise DraftwiseError(f"chat template of {self.name!r} failed: {error}") from None
+        """The conversation rendered by the model's chat template (raises ChatTemplateError)."""
+        return self._template().render(messages, add_generation_prompt)
+
+    def _template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            raise ChatTemplateError(
+                f"model {self.name!r} has no chat template (none in chat_template.jinja, tokenizer_config.json "
+                "or the GGUF metadata); use generate() with plain text")
+        return self._chat_template
 
 
 def _token_text(token) -> str | None:
     if isinstance(token, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
         return token.get("content")
     return token
-
-
-def _raise_template_error(message: str):
-    raise TemplateError(message)
 
 
 @dataclass
