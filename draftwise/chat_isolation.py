@@ -13,7 +13,8 @@ splits into template pieces and client pieces. A template that transforms such a
 slices, escapes it, or branches on what it says) breaks that equality, and the conversation is refused
 rather than tokenized with tokens nobody can vouch for. Strings without control-token text stay in
 place: they cannot forge a token on their own, and leaving them keeps the common case identical to
-tokenizing the normal rendering.
+tokenizing the normal rendering. (They could complete a token only with a template that writes a
+fragment of a control token's text right beside client text, which no common template does.)
 """
 
 from __future__ import annotations
