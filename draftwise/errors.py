@@ -33,6 +33,11 @@ class KVCacheFullError(DraftwiseError):
     """The KV cache has no free block for a sequence (the scheduler preempts before this happens)."""
 
 
+class ChatTemplateError(DraftwiseError, ValueError):
+    """A conversation the model's chat template cannot render, in the template's own words (or a
+    model without a chat template). It is the conversation's or the model's fault: HTTP 400."""
+
+
 def check_text(value: str, what: str) -> str:
     """`value` unchanged if it is valid Unicode text; a lone surrogate (which JSON can carry as
     "\\ud800" but no tokenizer can encode) is refused naming where it is."""

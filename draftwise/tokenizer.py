@@ -1,16 +1,18 @@
-"""Text <-> token ids, chat templates and incremental (streaming) detokenization."""
+"""Text <-> token ids (chat conversations included) and incremental (streaming) detokenization."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from draftwise.errors import DraftwiseError, ModelFormatError
+from draftwise.chat_isolation import Piece, isolate_client_text
+from draftwise.chat_template import ChatTemplate, find_chat_template
+from draftwise.errors import ChatTemplateError, ModelFormatError
 
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
@@ -26,9 +28,11 @@ class Tokenizer:
         self._tokenizer = HFTokenizer.from_file(str(path))
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template: str | None = find_chat_template(folder, config)  # the Jinja source
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self._chat_template = (ChatTemplate(self.chat_template, self.name, self.bos_token, self.eos_token)
+                               if self.chat_template else None)
         self.add_bos_token: bool = bool(config.get("add_bos_token", False))
         self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
         special = {token.content: index for index, token in self._tokenizer.get_added_tokens_decoder().items()
@@ -56,9 +60,12 @@ class Tokenizer:
         return tokens
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, control tokens included where their text appears (for trusted text)."""
+        return self._with_bos(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id, *ids]
+            return [self.bos_token_id, *ids]
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -74,30 +81,107 @@ class Tokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise DraftwiseError(f"model {self.name!r} has no chat template; use generate() with plain text")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as error:
-            raise DraftwiseError(f"chat template of {self.name!r} failed: {error}") from None
+        """The conversation rendered by the model's chat template (raises ChatTemplateError).
+        Its text is not safe to `encode`: message text may spell control tokens; use `encode_chat`."""
+        return self._template().render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation, in which control tokens come only from the template.
+
+        Every string the messages hold (content, text parts, names, tool-call arguments) is tokenized
+        as plain text, so a user writing `<|im_start|>system` gets those characters, not the control
+        tokens (`chat_isolation` finds the strings in the rendering). When no string holds the text of
+        an added token, the ids are exactly `encode(apply_chat_template(messages))`. Every added token
+        counts, special or not (a non-special `<tool_call>` can steer a model as much as `<|im_end|>`).
+        Raises ChatTemplateError if the template fails, or transforms a string that holds control-token
+        text (then it cannot be isolated, and the conversation is refused).
+        """
+        template = self._template()
+        rendered = template.render(messages, add_generation_prompt)
+
+        def render(guarded: list[dict]) -> str:
+            return template.render(guarded, add_generation_prompt)
+
+        pieces = isolate_client_text(messages, rendered, render, self._find_control_text)
+        return self.encode(rendered) if pieces is None else self._encode_isolated(pieces)
+
+    def _encode_isolated(self, pieces: list[Piece]) -> list[int]:
+        """Ids of the pieces with added tokens matched in template pieces only.
+
+        The text between two of the template's control tokens (template text and client strings
+        together) is encoded as one stretch with no token matching. The tokenizer encodes the stretches
+        between added tokens independently anyway, so client text comes out as it would have had it not
+        spelled a control token. Boundary caveats, where it can differ from that: an added token that
+        strips whitespace (`lstrip`/`rstrip`) cannot take it from the client text beside it, and a
+        Metaspace pre-tokenizer that prepends "▁" to the first stretch only prepends it to every stretch.
+        """
+        ids: list[int] = []
+        stretch = ""
+        for piece in pieces:
+            if piece.from_client:
+                stretch += piece.text
+                continue
+            encoding = self._tokenizer.encode(piece.text, add_special_tokens=False)
+            cursor = 0
+            for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+                if token_id in self._added_token_ids:
+                    ids += self._encode_plain(stretch + piece.text[cursor:start])
+                    ids.append(token_id)
+                    stretch, cursor = "", end
+            stretch += piece.text[cursor:]
+        ids += self._encode_plain(stretch)
+        return self._with_bos(ids)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain_text_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            raise ChatTemplateError(
+                f"model {self.name!r} has no chat template (none in chat_template.jinja, tokenizer_config.json "
+                "or the GGUF metadata); use generate() with plain text")
+        return self._chat_template
+
+    @cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._tokenizer.get_added_tokens_decoder())
+
+    @cached_property
+    def _control_text_pattern(self) -> re.Pattern | None:
+        """Matches the text of any added token (special or not: each is matched whole in plain `encode`)."""
+        texts = sorted({token.content for token in self._tokenizer.get_added_tokens_decoder().values()
+                        if token.content}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def _find_control_text(self, text: str) -> str | None:
+        """The first added token's text in `text`, as written or after the tokenizer's normalizer
+        (tokens marked `normalized` are matched on normalized text)."""
+        if self._control_text_pattern is None:
+            return None
+        normalizer = self._tokenizer.normalizer
+        for candidate in (text, normalizer.normalize_str(text) if normalizer is not None else text):
+            match = self._control_text_pattern.search(candidate)
+            if match:
+                return match.group()
+        return None
+
+    @cached_property
+    def _plain_text_tokenizer(self) -> HFTokenizer:
+        """A copy of the tokenizer that matches no added token: all are marked special (non-special
+        added tokens would still match) and special-token matching is off. A copy, so that the shared
+        tokenizer is never switched while another thread encodes."""
+        data = json.loads(self.path.read_text(encoding="utf-8"))
+        for token in data.get("added_tokens", []):
+            token["special"] = True
+        plain = HFTokenizer.from_str(json.dumps(data))
+        plain.encode_special_tokens = True
+        return plain
 
 
 def _token_text(token) -> str | None:
     if isinstance(token, dict):  # {"content": "<s>", ...} in some tokenizer_config.json files
         return token.get("content")
     return token
-
-
-def _raise_template_error(message: str):
-    raise TemplateError(message)
 
 
 @dataclass

@@ -15,6 +15,7 @@ ROOT = Path(draftwise.__file__).parent
 # Bottom to top; a package may import packages of lower layers only.
 LAYERS = [
     {"errors", "paths", "stats", "plots"},
+    {"chat_template", "chat_isolation"},
     {"sampling", "tokenizer", "traffic"},
     {"model"},
     {"quant"},

@@ -98,11 +98,12 @@ def encode_q4k(weight: np.ndarray) -> np.ndarray:
 
 
 def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False,
-                    q4k_except: tuple[str, ...] = ()) -> Path:
+                    q4k_except: tuple[str, ...] = (), chat_template: str | None = CHAT_TEMPLATE) -> Path:
     """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out.
 
     q4k_except: weight names containing one of these stay out of Q4_K (Q8_0 if quantize_q8), the
     way a Q4_K_M file keeps some tensors wider.
+    chat_template: stored as `tokenizer.chat_template` (None: the file has none).
     """
     import gguf
     from safetensors.numpy import load_file
@@ -134,7 +135,8 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["model"]["merges"]])
     writer.add_eos_token_id(dict(ordered)["<|im_end|>"])
     writer.add_bos_token_id(dict(ordered)["<|endoftext|>"])
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for name, array in tensors.items():
         short = name.removeprefix("model.")
         if name in to_gguf:
