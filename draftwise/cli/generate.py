@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> None:
               speculative=speculative_from_args(args), quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
     else:
         print(prompt, end="", flush=True)
     final = None

@@ -183,10 +183,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+        Message text is tokenized as text: control tokens come only from the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conversation) for conversation in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate([self.chat_prompt(conversation) for conversation in conversations], sampling_params)
+
+    def chat_prompt(self, messages: list[dict]) -> TokensPrompt:
+        """A conversation as a tokens prompt (`Tokenizer.encode_chat`), with its rendered text."""
+        return {"prompt_token_ids": self.tokenizer.encode_chat(messages),
+                "prompt": self.tokenizer.apply_chat_template(messages)}
 
     def stream(self, prompt: str | TokensPrompt,
                sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:

@@ -66,7 +66,7 @@ class RequestHandler:
         tokenizer = self.engine.llm.tokenizer
         try:
             if request.chat:
-                ids = tokenizer.encode(tokenizer.apply_chat_template(request.messages))
+                ids = tokenizer.encode_chat(request.messages)  # message text can never forge control tokens
             elif request.text is not None:
                 ids = tokenizer.encode(request.text)
             else:
