@@ -254,3 +254,16 @@ def test_chat_templates_refuse_with_a_400_and_user_text_cannot_forge_roles(tiny_
             llm.tokenizer.apply_chat_template(forged)))
     finally:
         server.stop()
+
+
+def test_cors_is_off_unless_origins_are_given(tiny_qwen):
+    from fastapi.testclient import TestClient
+
+    llm = build_llm(tiny_qwen)
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    for origins, allowed in (((), False), (("https://app.example",), True)):
+        engine = AsyncEngine(llm)
+        app = build_app(engine, MODEL, ServerOptions(allowed_origins=origins))
+        with TestClient(app, base_url="http://localhost") as client:
+            response = client.options("/v1/completions", headers=preflight)
+            assert (response.headers.get("access-control-allow-origin") == "https://app.example") is allowed

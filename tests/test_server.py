@@ -168,6 +168,8 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, llm):
             break
         time.sleep(0.05)
     assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'draftwise:request_aborted_total{model_name="tiny",reason="client_disconnected"}' in metrics
 
 
 def test_metrics_count_speculation_per_segment(server):
