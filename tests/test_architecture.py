@@ -121,3 +121,38 @@ def test_no_module_names_a_drafter_outside_its_own():
         if path.parent != own and "speculative.drafters." in path.read_text():
             named.append(f"{path.relative_to(ROOT)} imports a drafter module")
     assert not named, "drafters named outside their module:\n" + "\n".join(named)
+
+
+def test_a_drafter_registered_in_one_module_is_offered_everywhere(tiny_qwen, monkeypatch):
+    """A new drafter is one registration: the LLM builds it (with its own profiler), the CLI grows
+    its flag, the benchmark's config syntax and the server's per-request field accept it."""
+    from dataclasses import dataclass
+
+    from draftwise import LLM, SamplingParams
+    from draftwise.benchmark.runner import parse_config
+    from draftwise.cli import build_parser
+    from draftwise.speculative import registry
+    from draftwise.speculative.control.cost_model import CostModel
+    from draftwise.speculative.drafters.ngram import NgramProposer
+
+    @dataclass
+    class EchoOptions:
+        echo_span: int = registry.option(2, "tokens to echo")
+
+    profiled = []
+
+    def profile(runner, proposer, tokenizer, max_k):
+        profiled.append(max_k)
+        return CostModel({n: 0.01 * (1 + 0.1 * n) for n in (1, 2, 4, 8, 16, 32, 64)}, {k: 0.001 for k in (1, 2, 3)})
+
+    spec = registry.DrafterSpec("echo", "repeats what it saw", EchoOptions,
+                                lambda target, options: NgramProposer(1, options.echo_span), profile=profile)
+    monkeypatch.setitem(registry._REGISTRY, "echo", spec)
+    llm = LLM(str(tiny_qwen), max_model_len=128, progress=False,
+              speculative={"method": "echo", "echo_span": 3, "num_speculative_tokens": 3})
+    assert profiled == [3] and llm.cost_model.draft[1] == 0.001
+    out = llm.generate("x = 1\nx = 1\nx = 1\nx =", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.metrics.spec.num_drafts + out.metrics.spec.num_plain_steps > 0
+    args = build_parser().parse_args(["generate", "--method", "echo", "--echo-span", "5", "hi"])
+    assert args.method == "echo" and args.option_echo_span == 5
+    assert parse_config("echo:k=2", {"echo": {"echo_span": 4}})["echo_span"] == 4

@@ -52,6 +52,9 @@ class DrafterSpec:
     check: Callable[[Any, Tokenizer, str, bool], None] | None = None
     per_request: bool = True  # may be built on first use for a request (False: it loads a model of its own)
     benchmark_by_default: bool = True  # run by `draftwise bench` / `draftwise plan` unless told otherwise
+    # How the cost model profiles it: (target runner, proposer, tokenizer, max k) -> CostModel. None:
+    # `control.profile.measure`, which times the target over n tokens and `propose` over k tokens.
+    profile: Callable | None = None
 
     def parse_options(self, values: dict | Any | None) -> Any:
         """The drafter's options from a dict (unknown names refused), an instance, or None (defaults)."""

@@ -59,14 +59,15 @@ def configuration_key(*parts: object) -> str:
 
 
 def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,
-                    max_draft_tokens: int, refresh: bool = False) -> CostModel:
-    """The cached cost model for `key`, measuring (and caching) it if absent or if asked to."""
+                    max_draft_tokens: int, refresh: bool = False, measure_with=None) -> CostModel:
+    """The cached cost model for `key`, measuring (and caching) it if absent or if asked to, with
+    `measure_with` (a drafter's own profiler) or `measure`."""
     path = profile_path(key)
     cached = None if refresh else CostModel.read(path)
     if (cached is not None and cached.key == key and max(cached.target) >= max(TARGET_SIZES)
             and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens)):
         return cached
-    model = measure(runner, proposer, tokenizer, max_draft_tokens)
+    model = (measure_with or measure)(runner, proposer, tokenizer, max_draft_tokens)
     model.key = key
     model.write(path)
     return model
