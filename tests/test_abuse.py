@@ -5,21 +5,18 @@ blocked by tokenization, the API key's scheme is case-insensitive, and SIGTERM d
 
 import asyncio
 import json
-import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from draftwise import LLM, SamplingParams
 from draftwise.benchmark.hostile_requests import catalogue
 from draftwise.server.app import ServerOptions, build_app
 from draftwise.server.async_engine import AsyncEngine
 from draftwise.server.requests import ServerLimits
-from draftwise.server.serving import DrainingServer
+from tests.live_server import LiveServer, StreamReader
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_request_bytes=2**20)
@@ -27,30 +24,10 @@ PROMPTS = [f"def f{i}(x):" + " return x" * (i % 3) for i in range(8)]
 ORDINARY = dict(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-class Server:
-    """A DrainingServer on a free loopback port, in a thread, answering only loopback names."""
-
-    def __init__(self, llm, drain_timeout=30.0, api_key=None):
-        self.llm, self.engine = llm, AsyncEngine(llm)
-        options = ServerOptions(api_key=api_key, allowed_hosts=frozenset({"127.0.0.1", "localhost"}), limits=LIMITS,
-                                drain_timeout=drain_timeout)
-        app = build_app(self.engine, MODEL, options)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = DrainingServer(config, self.engine, drain_timeout)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.handle_exit(signal.SIGTERM, None)
-        self.thread.join(timeout=60)
+def Server(llm, drain_timeout=30.0, api_key=None):
+    """A live server answering only loopback names, with the abuse tests' limits."""
+    return LiveServer(llm, MODEL, ServerOptions(api_key=api_key, allowed_hosts=frozenset({"127.0.0.1", "localhost"}),
+                                                limits=LIMITS, drain_timeout=drain_timeout))
 
 
 def build_llm(tiny_qwen):
@@ -175,24 +152,13 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(tiny_qwen):
     server = Server(build_llm(tiny_qwen), drain_timeout=60)
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 200, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    lines, streaming = [], threading.Event()
-
-    def read():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    streaming.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert streaming.wait(timeout=30)
-    server.server.handle_exit(signal.SIGTERM, None)
+    reader = StreamReader(server.url, body)
+    server.sigterm()
     time.sleep(0.2)
     refused = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert refused.status_code == 503 and refused.headers["retry-after"]
     assert httpx.get(server.url + "/health").status_code == 503
-    reader.join(timeout=120)
+    lines = reader.join()
     server.thread.join(timeout=60)
     assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)  # it finished, whole
     finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1] if line.startswith("data: ")]
@@ -205,20 +171,9 @@ def test_a_drain_that_times_out_ends_streams_with_an_error_event(tiny_qwen):
     server = Server(llm, drain_timeout=0.2)
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 480, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    lines, streaming = [], threading.Event()
-
-    def read():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    streaming.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert streaming.wait(timeout=30)
-    server.server.handle_exit(signal.SIGTERM, None)
-    reader.join(timeout=60)
+    reader = StreamReader(server.url, body)
+    server.sigterm()
+    lines = reader.join()
     server.thread.join(timeout=60)
     events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2][6:])

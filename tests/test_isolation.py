@@ -31,8 +31,18 @@ def run_all(llm):
     return [finished[i] for i in ids], ids
 
 
-def poisoned_seq(llm, ids):
-    return llm._live.get(ids[POISONED])
+def remember_poisoned(llm, monkeypatch) -> dict:
+    """{"seq": the poisoned request's Sequence} once it is added (faults key on its cache row)."""
+    state, add = {}, llm.add_request
+
+    def add_and_remember(prompt, params, **kwargs):
+        request_id = add(prompt, params, **kwargs)
+        if prompt == PROMPTS[POISONED]:
+            state["seq"] = llm._live[request_id]
+        return request_id
+
+    monkeypatch.setattr(llm, "add_request", add_and_remember)
+    return state
 
 
 def assert_only_the_poisoned_failed(llm, outputs, solo_outputs, message):
@@ -52,7 +62,7 @@ def assert_only_the_poisoned_failed(llm, outputs, solo_outputs, message):
 def test_a_fault_in_the_forward_pass_of_one_row_fails_that_request_alone(tiny_qwen, solo_outputs, spec,
                                                                            monkeypatch):
     llm = build(tiny_qwen, spec)
-    forward, state = llm.runner.forward, {}
+    forward, state = llm.runner.forward, remember_poisoned(llm, monkeypatch)
 
     def faulty_forward(rows, token_ids, num_logits, **kwargs):
         seq = state.get("seq")
@@ -61,15 +71,6 @@ def test_a_fault_in_the_forward_pass_of_one_row_fails_that_request_alone(tiny_qw
         return forward(rows, token_ids, num_logits, **kwargs)
 
     monkeypatch.setattr(llm.runner, "forward", faulty_forward)
-    original_add = llm.add_request
-
-    def add_and_remember(prompt, params, **kwargs):
-        request_id = original_add(prompt, params, **kwargs)
-        if prompt == PROMPTS[POISONED]:
-            state["seq"] = llm._live[request_id]
-        return request_id
-
-    monkeypatch.setattr(llm, "add_request", add_and_remember)
     outputs, _ = run_all(llm)
     assert_only_the_poisoned_failed(llm, outputs, solo_outputs, "injected fault in the forward pass")
     assert len(outputs[POISONED].token_ids) == 1  # its prefill's token, then the fault
@@ -95,7 +96,7 @@ def test_a_drafter_that_raises_for_one_request_fails_that_request_alone(tiny_qwe
 
 def test_a_row_that_cannot_grow_its_kv_fails_alone(tiny_qwen, solo_outputs, monkeypatch):
     llm = build(tiny_qwen, None)
-    blocks, state = llm.runner.blocks, {}
+    blocks, state = llm.runner.blocks, remember_poisoned(llm, monkeypatch)
     grow = blocks.grow
 
     def tight_grow(handle, length):
@@ -105,15 +106,6 @@ def test_a_row_that_cannot_grow_its_kv_fails_alone(tiny_qwen, solo_outputs, monk
         grow(handle, length)
 
     monkeypatch.setattr(blocks, "grow", tight_grow)
-    original_add = llm.add_request
-
-    def add_and_remember(prompt, params, **kwargs):
-        request_id = original_add(prompt, params, **kwargs)
-        if prompt == PROMPTS[POISONED]:
-            state["seq"] = llm._live[request_id]
-        return request_id
-
-    monkeypatch.setattr(llm, "add_request", add_and_remember)
     outputs, _ = run_all(llm)
     assert_only_the_poisoned_failed(llm, outputs, solo_outputs, "no free block")
 

@@ -1,8 +1,6 @@
 """The OpenAI-compatible server on loopback, driven by the official `openai` client (tiny model)."""
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -12,37 +10,10 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from draftwise import LLM, SamplingParams  # noqa: E402
-from draftwise.server.app import ServerOptions, build_app  # noqa: E402
-from draftwise.server.async_engine import AsyncEngine  # noqa: E402
+from draftwise.server.app import ServerOptions  # noqa: E402
+from tests.live_server import LiveServer  # noqa: E402
 
 MODEL = "tiny"
-
-
-class LiveServer:
-    """uvicorn serving the app on a free loopback port, in a thread."""
-
-    def __init__(self, llm, api_key=None):
-        self.engine = AsyncEngine(llm)
-        app = build_app(self.engine, MODEL, ServerOptions(api_key=api_key))
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, api_key="unused"):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def stop(self):
-        self.engine.shutdown(grace_seconds=2)
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def served_llm(tiny_qwen):
@@ -64,7 +35,7 @@ def reference(tiny_qwen):
 
 @pytest.fixture(scope="module")
 def server(llm):
-    live = LiveServer(llm)
+    live = LiveServer(llm, MODEL)
     yield live
     live.stop()
 
@@ -118,7 +89,7 @@ def test_per_request_speculation_and_its_usage(server):
 
 
 def test_api_key_guards_everything_but_health(tiny_qwen):
-    live = LiveServer(served_llm(tiny_qwen), api_key="sesame")
+    live = LiveServer(served_llm(tiny_qwen), MODEL, ServerOptions(api_key="sesame"))
     try:
         assert live.client("sesame").completions.create(model=MODEL, prompt="hi", **GREEDY).choices
         with pytest.raises(openai.AuthenticationError):
@@ -180,30 +151,6 @@ def test_metrics_count_speculation_per_segment(server):
     assert "draftwise:request_success_total" in text
     assert 'draftwise:spec_decode_num_draft_tokens_total{method="ngram",model_name="tiny",segment="code-completion"}' in text
     assert "draftwise:time_to_first_token_seconds_bucket" in text and "draftwise:kv_cache_usage_perc" in text
-
-
-def test_shutdown_ends_in_flight_requests_cleanly(tiny_qwen):
-    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=4, progress=False)  # the tiny model's limit
-    live = LiveServer(llm)
-    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 480, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    received, streaming = [], threading.Event()
-
-    def read():
-        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                received.append(line)
-                streaming.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert streaming.wait(timeout=30)
-    live.engine.shutdown(grace_seconds=0)  # the request is in flight: it must end, cleanly
-    reader.join(timeout=30)
-    live.server.should_exit = True
-    live.thread.join(timeout=10)
-    assert "data: [DONE]" in received and any("shut down" in line for line in received)
-    assert llm.engine_stats()["running"] == 0 and llm.engine_stats()["kv_blocks_in_use"] == 0
 
 
 def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference):

@@ -44,3 +44,22 @@ class Proposer(Protocol):
 
     def footprint(self) -> Footprint:
         """The memory this drafter adds (the planner reports it)."""
+
+
+class CachelessProposer:
+    """What a drafter without state of its own per request needs of the protocol: nothing to roll
+    back, release or catch up on, and no memory beyond the target's (prompt lookup, layer skip)."""
+
+    catch_up_window = None
+
+    def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
+        pass
+
+    def release(self, seq: SequenceState) -> None:
+        pass
+
+    def lag(self, seq: SequenceState) -> int:
+        return 0
+
+    def footprint(self) -> Footprint:
+        return Footprint()

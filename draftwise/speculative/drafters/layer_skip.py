@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from draftwise.errors import InvalidParameterError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.speculative.autoregressive import check_confidence, draft_autoregressively
-from draftwise.speculative.proposer import Draft, Footprint
+from draftwise.speculative.proposer import CachelessProposer, Draft
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
 from draftwise.speculative.sequence import SequenceState
 
 
-class LayerSkipProposer:
-    catch_up_window = None  # it shares the target's cache: nothing to catch up on
+class LayerSkipProposer(CachelessProposer):
+    """(It shares the target's cache: nothing of its own to roll back or catch up on.)"""
 
     def __init__(self, target_runner: ModelRunner, num_layers: int, confidence_threshold: float = 0.0) -> None:
         self.runner = target_runner
@@ -34,17 +34,6 @@ class LayerSkipProposer:
             for row, length in zip(rows, lengths):
                 self.runner.truncate(row, length)  # the target's verification pass starts from here
 
-    def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
-        pass
-
-    def release(self, seq: SequenceState) -> None:
-        pass
-
-    def lag(self, seq: SequenceState) -> int:
-        return 0
-
-    def footprint(self) -> Footprint:
-        return Footprint()  # the target's own layers and cache
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from draftwise.errors import InvalidParameterError
-from draftwise.speculative.proposer import Draft, Footprint
+from draftwise.speculative.proposer import CachelessProposer, Draft
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
 from draftwise.speculative.sequence import SequenceState
 
@@ -31,26 +31,13 @@ def find_continuation(token_ids: list[int] | np.ndarray, min_n: int, max_n: int,
     return []
 
 
-class NgramProposer:
-    catch_up_window = None  # no cache: nothing to catch up on
-
+class NgramProposer(CachelessProposer):
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         return [Draft(find_continuation(seq.token_ids, self.min_n, self.max_n, k)) for seq, k in zip(seqs, num_tokens)]
 
-    def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
-        pass
-
-    def release(self, seq: SequenceState) -> None:
-        pass
-
-    def lag(self, seq: SequenceState) -> int:
-        return 0
-
-    def footprint(self) -> Footprint:
-        return Footprint()
 
 
 @dataclass(slots=True)
