@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from draftwise.cache.block_manager import BlockManager
 from draftwise.engine.sequence import Sequence
@@ -29,7 +29,6 @@ from draftwise.errors import PromptTooLongError
 class ScheduledStep:
     seqs: list[Sequence]  # the rows of this step, in batch order
     is_prefill: bool  # a newly admitted (or resumed) request's context, alone
-    preempted: list[Sequence] = field(default_factory=list)  # sent back to the queue for this step
 
 
 class Scheduler:
@@ -69,10 +68,10 @@ class Scheduler:
             self.running.append(seq)
             return ScheduledStep([seq], is_prefill=True)
         self._last_was_prefill = False
-        preempted = self._make_room()
+        self._make_room()
         if not self.running:
             return None
-        return ScheduledStep(list(self.running), is_prefill=False, preempted=preempted)
+        return ScheduledStep(list(self.running), is_prefill=False)
 
     def remove(self, seq: Sequence) -> None:
         """A finished or aborted request leaves (its blocks are freed by its owner)."""
@@ -92,12 +91,10 @@ class Scheduler:
         held = len(self.blocks.tables[seq.row])
         return max(0, self.blocks.blocks_for(len(seq.token_ids) + self.step_tokens) - held)
 
-    def _make_room(self) -> list[Sequence]:
+    def _make_room(self) -> None:
         """Preempt the latest admitted requests until every running one can take a step."""
-        preempted = []
         while self.running and sum(map(self._growth_blocks, self.running)) > self.blocks.num_free_blocks:
-            preempted.append(self.preempt(self.running[-1]))
-        return preempted
+            self.preempt(self.running[-1])
 
     def preempt(self, seq: Sequence) -> Sequence:
         """Send a running request back to the front of the queue, freeing its blocks; it keeps its

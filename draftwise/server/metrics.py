@@ -10,8 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from draftwise.engine.outputs import RequestOutput
+from draftwise.speculative.control.policy import MAX_SEGMENTS
 
-MAX_SEGMENTS = 32
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 

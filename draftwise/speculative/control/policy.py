@@ -12,7 +12,7 @@ from draftwise.speculative.sequence import SequenceState
 
 MAX_LENGTHS_KEPT = 256
 MIN_LENGTHS = 4
-MAX_SEGMENTS = 32
+MAX_SEGMENTS = 32  # traffic segments remembered (by the controller, and labelled in the server's metrics)
 
 
 class DraftLengthPolicy(Protocol):
