@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1,
-              speculative=speculative_from_args(args), quantization=args.quantization)
+              speculative=speculative_from_args(args), quantization=args.quantization,
+              load_format=args.load_format)
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])

@@ -14,5 +14,7 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
     add_speculative_arguments(command)
     command.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                          help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
+    command.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                         help="dummy: random weights of the model's shape, from its config.json alone")
     command.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     command.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")

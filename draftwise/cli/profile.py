@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> None:
     from draftwise.speculative.control.controller import best_num_tokens, expected_tokens
 
     speculative = speculative_from_args(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, quantization=args.quantization)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, quantization=args.quantization,
+              load_format=args.load_format)
     if speculative is not None:
         llm.set_speculative({**speculative, "adaptive": False})  # measured below, with --refresh honoured
     proposer = llm.engine.drafters[llm.default_method].proposer if llm.default_method else None

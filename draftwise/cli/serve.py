@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> None:
         raise InvalidParameterError("--max-request-bytes must be at least 1024 and --drain-timeout >= 0")
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb else None
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              load_format=args.load_format,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
               speculative=speculative_from_args(args))
     methods = ([spec.name for spec in all_specs() if spec.per_request] if args.per_request_methods is None

@@ -50,6 +50,7 @@ class LLM:
         block_size: int = DEFAULT_BLOCK_SIZE,
         speculative: SpeculativeConfig | dict | None = None,
         quantization: str = "auto",
+        load_format: str = "auto",
         progress: bool = True,
     ) -> None:
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
@@ -65,7 +66,8 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_folder)
         config = SpeculativeConfig.from_value(speculative)
         self._check_drafter(config, progress)  # before any weights load: fail fast
-        self.model = load_model(self.model_folder, self.device, self.dtype, quantization=quantization)
+        self.model = load_model(self.model_folder, self.device, self.dtype, quantization=quantization,
+                                load_format=load_format)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ModelFormatError(
                 f"{self.model_folder}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
@@ -82,7 +84,7 @@ class LLM:
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, num_blocks=num_blocks,
                                   block_size=block_size)
         self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
-                             self.max_model_len, progress)
+                             self.max_model_len, progress, load_format)
         self._install(config)
         self._request_ids = itertools.count()
         self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish

@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftwise.errors import InvalidParameterError, ModelFormatError
+from draftwise.loading.dummy import dummy_model
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
 from draftwise.quant.apply import QuantizationReport, check_quantization, quantize_model
@@ -88,22 +89,37 @@ def resolve_quantization(mode: str, device: torch.device | str, dtype: torch.dty
     return mode
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               pack_cpu_weights: bool = True, quantization: str = "none") -> Transformer:
+               pack_cpu_weights: bool = True, quantization: str = "none", load_format: str = "auto") -> Transformer:
     """Build the model on `device` in `dtype`.
 
     quantization "int4"/"int8"/"auto" replaces linear layers by weight-only quantized ones (see
     draftwise.quant.apply); with "none", fp32 CPU weights are prepacked for oneDNN unless told not to.
-    The report of what was quantized how is left on `model.quantization`.
+    The report of what was quantized how is left on `model.quantization`. load_format "dummy": random
+    weights of the config's shape (`dummy.py`), no weight files read.
     """
+    if load_format not in LOAD_FORMATS:
+        raise InvalidParameterError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     config = read_config(folder)
     mode = resolve_quantization(quantization, device, dtype)
+    if load_format == "dummy":
+        model = dummy_model(config, device, dtype).eval().requires_grad_(False)
+        model.quantization = QuantizationReport("none")
+        if mode != "none":
+            model.quantization = quantize_model(model, mode, None)  # (the folder's stored groups are real weights)
+        elif pack_cpu_weights:
+            pack_linear_layers(model)
+        return model
     if mode != "none":
         cached = _load_packed_model(folder, config, mode)
         if cached is not None:
             return cached
+    tensors = _read_tensors(folder)  # (its errors name the folder)
     try:
-        state = _fused_state(_read_tensors(folder), config)
+        state = _fused_state(tensors, config)
     except ModelFormatError as error:
         raise ModelFormatError(f"{folder}: {error}") from None
     with torch.device("meta"):

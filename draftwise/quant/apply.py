@@ -95,11 +95,11 @@ def _int4_parts(weight: torch.Tensor, sources: list[tuple[str, int]], groups: di
     return parts, all(name in groups for name, _ in sources)
 
 
-def quantize_model(model: nn.Module, mode: str, folder: Path) -> QuantizationReport:
+def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> QuantizationReport:
     """Quantize `model`'s linear layers in place (mode "int4", "int4_all" or "int8")."""
     report = QuantizationReport(mode)
-    groups = read_q4k_groups(folder) if mode.startswith("int4") else {}
-    types = stored_types(folder)
+    groups = read_q4k_groups(folder) if mode.startswith("int4") and folder is not None else {}
+    types = stored_types(folder) if folder is not None else {}
     for path, sources in linear_sources(model.config).items():
         parent_path, _, attribute = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model

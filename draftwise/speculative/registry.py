@@ -39,6 +39,7 @@ class Target:
     max_num_seqs: int
     max_model_len: int
     progress: bool = True  # show progress bars while fetching or converting a model
+    load_format: str = "auto"  # "dummy": a drafter with a model of its own gets random weights too
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,7 +125,7 @@ def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelP
     runner = target.runner
     quantization = resolve_quantization(options.quantization, runner.device, runner.dtype, draft=True)
     draft_model = load_model(resolve_model(options.model, progress=target.progress), runner.device, runner.dtype,
-                             quantization=quantization)
+                             quantization=quantization, load_format=target.load_format)
     if options.draft_vocab_size is not None and options.draft_vocab_size < draft_model.config.vocab_size:
         trim_lm_head(draft_model, kept_token_ids(target.tokenizer, options.draft_vocab_size))
     # The draft model's cache holds as many tokens as the target's (it never holds more per
