@@ -1,4 +1,5 @@
-"""Command line: `draftwise generate | profile | serve | bench | plan | models`, one module per command."""
+"""Command line: `draftwise generate | profile | serve | bench | plan | models | divergence`, one module
+per command."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from draftwise.errors import DraftwiseError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftwise.cli import bench, generate, models, plan, profile, serve
+    from draftwise.cli import bench, divergence, generate, models, plan, profile, serve
 
     parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, profile, serve, bench, plan, models):
+    for command in (generate, profile, serve, bench, plan, models, divergence):
         command.add_parser(commands)
     return parser
 

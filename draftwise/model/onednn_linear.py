@@ -5,6 +5,11 @@ one row and grows linearly to ~4.5 ms at 3-4 rows, while oneDNN with a prepacked
 0.9 ms for one row and 2.0 ms for eight. Decoding reads every weight once per step, and
 speculative verification runs k+1 rows, so this curve sets both plain speed and what
 speculation can gain on a CPU.
+
+Batch invariance: a row's output must not depend on how many rows share the call (or greedy
+speculation would differ from plain decoding at near-ties). oneDNN's GEMM results agree for every
+M from 2 to 64; only M = 1 takes another kernel (`draftwise divergence --quantization none` found
+it), so a single row is computed as two.
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ class OneDNNLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)  # [M, in]
+        if rows.shape[0] == 1:
+            # oneDNN computes one row with its GEMV kernel, which rounds differently from its GEMM:
+            # then verifying k tokens would not compute what k one-token steps compute. A single
+            # row goes through the GEMM as two (itself and a copy); M >= 2 all agree bit for bit.
+            rows = rows.expand(2, -1)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out[:x[..., 0].numel()].reshape(*x.shape[:-1], self.out_features)
 
 
 def pack_linear_layers(model: nn.Module) -> int:
