@@ -15,6 +15,7 @@ ROOT = Path(draftwise.__file__).parent
 # Bottom to top; a package may import packages of lower layers only.
 LAYERS = [
     {"errors", "paths", "stats", "plots"},
+    {"native"},
     {"chat_template", "chat_isolation"},
     {"sampling", "tokenizer", "traffic"},
     {"model"},
@@ -41,8 +42,9 @@ def imported_modules(tree: ast.AST) -> set[str]:
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draftwise"):
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            is_module = [(ROOT.parent / (name.replace(".", "/") + ".py")).exists() for name in submodules]
+            found.update(submodules if all(is_module) else {node.module})
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("draftwise"))
     return found

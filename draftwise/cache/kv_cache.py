@@ -4,14 +4,16 @@
 `BlockManager` says which slots a sequence's positions occupy. Writes go to explicit slots;
 rollback (`truncate`) is bookkeeping only: entries past a sequence's length are never read (a
 query at position p attends to keys at positions <= p), and the blocks past it return to the pool.
-Nothing is copied to realign rows. A read gathers a sequence's slots into [B, Hkv, T, D], except
-for a single sequence whose blocks are consecutive: that is a slice of the storage.
+Nothing is copied to realign rows. Attention reads keys in place through each row's slot table
+(the native backend), or from a gather into [B, Hkv, T, D] (a slice of the storage for a single
+sequence whose blocks are consecutive); `attention_backend.py` says which and why.
 """
 
 from __future__ import annotations
 
 import torch
 
+from draftwise.cache import attention_backend
 from draftwise.cache.block_manager import BlockManager
 
 
@@ -60,6 +62,12 @@ class KVCacheView:
         self._write_slots = torch.tensor(write_slots, device=device)  # [N]
         self._valid = valid
         self._kv_length = kv_length
+        self._native = attention_backend.uses_native(device, cache.keys.dtype, cache.keys.shape[-1])
+        if self._native:
+            self._key_slots = _slot_table(blocks, handles, kv_length, device)  # [B, T]
+            self._query_rows = torch.arange(len(handles), device=device).repeat_interleave(len(host_positions[0]))
+            self._positions = torch.tensor(host_positions, device=device).flatten()  # [B*S]
+            return
         start = blocks.contiguous_start(handles[0], kv_length) if len(handles) == 1 else None
         self._slice = None if start is None else slice(start, start + kv_length)
         self._read_slots = None
@@ -81,6 +89,17 @@ class KVCacheView:
         self.cache.keys[layer][self._write_slots] = keys
         self.cache.values[layer][self._write_slots] = values
 
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention of the pass's queries q [B, Hq, S, D] (at positions [B, S]) over this layer's
+        keys and values (written already), causal: [B, Hq, S, D]."""
+        if self._native:
+            return attention_backend.native_attention(q, self.cache.keys[layer], self.cache.values[layer],
+                                                      self._key_slots, self._query_rows, self._positions)
+        k, v = self.read(layer, self._kv_length)  # [B, Hkv, T, D]
+        if q.shape[2] <= attention_backend.PER_QUERY_MAX:
+            return attention_backend.per_query_attention(q, k, v, self.host_positions)
+        return attention_backend.masked_attention(q, k, v, positions)
+
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, length, D] of this view's rows."""
         if length != self._kv_length:
@@ -90,3 +109,14 @@ class KVCacheView:
                     self.cache.values[layer, self._slice].unsqueeze(0).transpose(1, 2))
         return (self.cache.keys[layer][self._read_slots].transpose(1, 2),  # [B, T, Hkv, D] -> [B, Hkv, T, D]
                 self.cache.values[layer][self._read_slots].transpose(1, 2))
+
+
+def _slot_table(blocks: BlockManager, handles: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """[B, length] the slot of each position of each row (positions past a row's blocks: block 0's
+    slots, never attended)."""
+    size = blocks.block_size
+    count = blocks.blocks_for(length)
+    tables = [blocks.tables[handle][:count] for handle in handles]
+    table = torch.tensor([t + [0] * (count - len(t)) for t in tables], dtype=torch.long)  # [B, blocks]
+    slots = (table[:, :, None] * size + torch.arange(size)).reshape(len(handles), count * size)[:, :length]
+    return slots.contiguous().to(device)

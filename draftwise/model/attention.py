@@ -1,11 +1,9 @@
 """Grouped-query self-attention over a KV cache.
 
-Short forwards (decode steps and speculative verification, up to PER_QUERY_MAX queries per row)
-attend query by query, each over exactly the keys at positions <= its own, with no mask. That is
-the same call, on the same shapes, that one-token-at-a-time decoding makes at that position, so
-a query's result does not depend on how many queries or rows share the forward pass (a batched,
-masked SDPA call rounds differently). With batch-invariant linear layers, speculative decoding
-then computes bit for bit what plain decoding computes.
+With a cache (every engine pass), the cache view writes the new keys and values and computes the
+attention (`draftwise/cache/attention_backend.py`: on the CPU one batch-invariant native call per
+layer, so verifying k tokens computes bit for bit what k one-token steps compute). Without one (a
+whole sequence at once, as reference checks run it), one causal SDPA call.
 """
 
 from __future__ import annotations
@@ -19,19 +17,15 @@ from torch import nn
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import apply_rotary
 
-PER_QUERY_MAX = 64
-
 
 class KVCacheView(Protocol):
     """What attention needs of a paged KV cache for one forward pass (`draftwise.cache` provides it)."""
 
-    host_positions: list[list[int]]  # [B][S]: the position of each new token, on the host
-
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the new keys/values [B, Hkv, S, D] of this pass's rows."""
 
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, Hkv, length, D] of this pass's rows."""
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q [B, Hq, S, D] at positions [B, S] over the layer's keys: [B, Hq, S, D]."""
 
 
 class Attention(nn.Module):
@@ -54,7 +48,6 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [B, 1, S, D]
         sin: torch.Tensor,  # [B, 1, S, D]
         cache: KVCacheView | None,
-        kv_length: int,  # keys to attend over: max(position) + 1 in this batch
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
@@ -65,27 +58,10 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
 
         if cache is None:
-            key_positions = positions  # [B, T=S]
+            key_positions = positions[:, None, None, :]  # [B, 1, 1, S]
+            mask = key_positions <= positions[:, None, :, None]  # [B, 1, S, S]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, S, D]
         else:
             cache.write(self.layer_index, k, v)
-            k, v = cache.read(self.layer_index, kv_length)  # [B, Hkv, T, D]
-            if seq <= PER_QUERY_MAX:
-                out = self._attend_per_query(q, k, v, cache.host_positions)
-                return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-            key_positions = torch.arange(kv_length, device=x.device)[None, :]  # [1, T]
-        # A query at position p sees every key at a position <= p: causal and rollback-safe.
-        mask = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, T]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, S, D]
+            out = cache.attend(self.layer_index, q, positions)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    @staticmethod
-    def _attend_per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          host_positions: list[list[int]]) -> torch.Tensor:
-        """q [B, Hq, S, D] over k, v [B, Hkv, T, D]: each query alone over keys 0..its position."""
-        rows = []
-        for b, row_positions in enumerate(host_positions):
-            rows.append(torch.cat([
-                F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1],
-                                               enable_gqa=True)
-                for s, p in enumerate(row_positions)], dim=2))
-        return torch.cat(rows)  # [B, Hq, S, D]

@@ -23,8 +23,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, positions, cos, sin, cache, kv_length):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache, kv_length)
+    def forward(self, x, positions, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -45,7 +45,6 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # [B, S]
         cache: KVCacheView | None = None,
         *,
-        kv_length: int | None = None,
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -54,13 +53,11 @@ class Transformer(nn.Module):
         Returns the residual stream after the last layer run [B, S, H] (before the final norm) and
         the residual stream after each layer in `capture_layers` (0-based), also [B, S, H].
         """
-        if kv_length is None:
-            kv_length = int(positions.max()) + 1
         x = self.embed_tokens(token_ids)  # [B, S, H]
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, positions, cos, sin, cache, kv_length)
+            x = layer(x, positions, cos, sin, cache)
             if index in capture_layers:
                 captured[index] = x
         return x, captured

@@ -98,9 +98,8 @@ class ModelRunner:
         position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
         valid_tensor = None if valid is None else torch.tensor(valid, device=self.device)  # [B, S]
         view = self.cache.view(rows, positions, valid_tensor, valid, kv_length)
-        hidden, captured = self.model.hidden_states(
-            token_tensor, position_tensor, view, kv_length=kv_length,
-            num_layers=num_layers, capture_layers=capture_layers)
+        hidden, captured = self.model.hidden_states(token_tensor, position_tensor, view, num_layers=num_layers,
+                                                    capture_layers=capture_layers)
 
         # Gather only the positions whose logits were asked for: the LM head is the costliest matmul.
         batch_index = [b for b, n in enumerate(num_logits) for _ in range(n)]

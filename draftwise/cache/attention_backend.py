@@ -1,0 +1,67 @@
+"""Attention over the paged KV cache: the backend every forward pass goes through.
+
+- native (`kernels/paged_attention.cpp`, CPU, fp32, AVX-512): every query of the pass in one call,
+  keys read in place through each row's slot table, one fixed order of arithmetic per query; so a
+  query's result never depends on how many queries or rows share the pass, for decode,
+  verification, draft catch-up and prefill alike.
+- per query (any device): each query alone over exactly the keys at positions <= its own, one SDPA
+  call each: the same call, on the same shapes, one-token decoding makes, hence batch-invariant
+  too, but launched from Python per query (up to PER_QUERY_MAX queries per row).
+- masked (any device, long prompts past PER_QUERY_MAX): one SDPA call with a causal mask; fast for
+  prefill, not batch-invariant (a draft model's catch-up may then round differently from the
+  target's prefill: only acceptance can suffer, never the output).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftwise import native
+
+PER_QUERY_MAX = 64
+SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_attention.cpp"
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mfma"]
+REQUIRED_CPU_FLAGS = ("avx512f", "fma")
+
+
+@cache
+def native_kernels():
+    """The compiled paged-attention extension, or None where it cannot be had."""
+    return native.build("attention", SOURCE, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
+
+
+def uses_native(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and native_kernels() is not None
+
+
+def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor,
+                     query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; key_slots [B, T] the
+    slot of each key position per row; query_rows, positions [B*S]. Returns [B, Hq, S, D]."""
+    batch, heads, seq, dim = q.shape
+    flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
+    out = native_kernels().paged_attention(flat, keys, values, key_slots, query_rows, positions, dim ** -0.5)
+    return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        host_positions: list[list[int]]) -> torch.Tensor:
+    """q [B, Hq, S, D] over k, v [B, Hkv, T, D]: each query alone over keys 0..its position."""
+    rows = []
+    for b, row_positions in enumerate(host_positions):
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1],
+                                           enable_gqa=True)
+            for s, p in enumerate(row_positions)], dim=2))
+    return torch.cat(rows)  # [B, Hq, S, D]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, S, D] over k, v [B, Hkv, T, D], a query at position p seeing keys at positions <= p."""
+    key_positions = torch.arange(k.shape[2], device=q.device)[None, :]  # [1, T]
+    mask = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, T]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
