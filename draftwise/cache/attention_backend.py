@@ -4,6 +4,7 @@
   keys read in place through each row's slot table, one fixed order of arithmetic per query; so a
   query's result never depends on how many queries or rows share the pass, for decode,
   verification, draft catch-up and prefill alike.
+- triton (`triton_attention.py`, CUDA): the same algorithm as one Triton kernel per layer.
 - per query (any device): each query alone over exactly the keys at positions <= its own, one SDPA
   call each: the same call, on the same shapes, one-token decoding makes, hence batch-invariant
   too, but launched from Python per query (up to PER_QUERY_MAX queries per row).
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from draftwise import native
+from draftwise.cache import triton_attention
 
 PER_QUERY_MAX = 64
 SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_attention.cpp"
@@ -34,8 +36,19 @@ def native_kernels():
     return native.build("attention", SOURCE, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
 
 
-def uses_native(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and native_kernels() is not None
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """"native", "triton", or None (the SDPA paths) for a cache on this device, in this dtype."""
+    if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and native_kernels() is not None:
+        return "native"
+    if device.type == "cuda" and triton_attention.available() and head_dim in (64, 128, 256):
+        return "triton"
+    return None
+
+
+def kernel_attention(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     key_slots: torch.Tensor, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    attend = native_attention if kernel == "native" else triton_attention.triton_attention
+    return attend(q, keys, values, key_slots, query_rows, positions)
 
 
 def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor,

@@ -62,8 +62,8 @@ class KVCacheView:
         self._write_slots = torch.tensor(write_slots, device=device)  # [N]
         self._valid = valid
         self._kv_length = kv_length
-        self._native = attention_backend.uses_native(device, cache.keys.dtype, cache.keys.shape[-1])
-        if self._native:
+        self._kernel = attention_backend.kernel_for(torch.device(device), cache.keys.dtype, cache.keys.shape[-1])
+        if self._kernel is not None:
             self._key_slots = _slot_table(blocks, handles, kv_length, device)  # [B, T]
             self._query_rows = torch.arange(len(handles), device=device).repeat_interleave(len(host_positions[0]))
             self._positions = torch.tensor(host_positions, device=device).flatten()  # [B*S]
@@ -92,8 +92,8 @@ class KVCacheView:
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention of the pass's queries q [B, Hq, S, D] (at positions [B, S]) over this layer's
         keys and values (written already), causal: [B, Hq, S, D]."""
-        if self._native:
-            return attention_backend.native_attention(q, self.cache.keys[layer], self.cache.values[layer],
+        if self._kernel is not None:
+            return attention_backend.kernel_attention(self._kernel, q, self.cache.keys[layer], self.cache.values[layer],
                                                       self._key_slots, self._query_rows, self._positions)
         k, v = self.read(layer, self._kv_length)  # [B, Hkv, T, D]
         if q.shape[2] <= attention_backend.PER_QUERY_MAX:

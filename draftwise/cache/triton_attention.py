@@ -1,0 +1,84 @@
+"""Causal attention of any number of queries over the paged KV cache, as one Triton kernel: the
+GPU's counterpart of `kernels/paged_attention.cpp`.
+
+One program per (query, kv head) computes the attention of that query's group of heads over its
+own row's keys, read in place through the row's slot table, block after block of BLOCK_N positions
+in a fixed order (online softmax, fp32 accumulation). No program reads another query's data or
+depends on how many programs run, so a query's result is the same alone, in a verification pass of
+k + 1 tokens, in a batch of 64 rows or in a prefill: the batch invariance speculation needs to stay
+bit-exact. One launch per layer replaces SDPA calls per query; the shapes the launch sees (queries,
+heads, head_dim) are all a CUDA graph needs, the lengths live in tensors.
+
+Without a GPU the same kernel runs in Triton's interpreter (TRITON_INTERPRET=1), which the tests use
+to check it against SDPA and for invariance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton ships with CUDA builds of PyTorch; CPU machines use the native kernel
+    triton = None
+
+BLOCK_N = 32  # key positions per block: fixed, so a query's reduction order never changes
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, rows_ptr, positions_ptr, out_ptr, scale,
+                                stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_slots_b,
+                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                BLOCK: tl.constexpr):
+        n = tl.program_id(0)  # the query
+        g = tl.program_id(1)  # its kv head; query heads g * GROUP .. g * GROUP + GROUP - 1 share it
+        row = tl.load(rows_ptr + n)
+        position = tl.load(positions_ptr + n)
+        heads = g * GROUP + tl.arange(0, GROUP_PAD)  # [G]
+        head_ok = tl.arange(0, GROUP_PAD) < GROUP
+        dims = tl.arange(0, HEAD_DIM)  # [D]
+        q = tl.load(q_ptr + n * stride_q_n + heads[:, None] * stride_q_h + dims[None, :],
+                    mask=head_ok[:, None], other=0.0)  # [G, D]
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for start in range(0, position + 1, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)  # [N]
+            visible = offsets <= position
+            slots = tl.load(slots_ptr + row * stride_slots_b + offsets, mask=visible, other=0)
+            kv_offsets = slots[:, None] * stride_kv_s + g * stride_kv_h + dims[None, :]  # [N, D]
+            k = tl.load(k_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=visible[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [G, N]
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            weights = tl.exp(scores - m_new[:, None])
+            rescale = tl.exp(m - m_new)
+            total = total * rescale + tl.sum(weights, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(out_ptr + n * stride_q_n + heads[:, None] * stride_q_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor,
+                     query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; key_slots [B, T] the
+    slot of each key position per row; query_rows, positions [B*S]. Returns [B, Hq, S, D]."""
+    batch, heads, seq, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
+    out = torch.empty_like(flat)
+    _paged_attention_kernel[(batch * seq, kv_heads)](
+        flat, keys, values, key_slots, query_rows, positions, out, dim ** -0.5,
+        flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), key_slots.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=BLOCK_N)
+    return out.view(batch, seq, heads, dim).transpose(1, 2)

@@ -1,0 +1,57 @@
+"""The Triton paged-attention kernel (the GPU's): against SDPA and for batch invariance, in Triton's
+interpreter on the CPU (a subprocess with TRITON_INTERPRET=1), and on CUDA where there is one."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent("""
+    import torch, torch.nn.functional as F
+    from draftwise.cache.triton_attention import triton_attention
+    device = "{device}"
+    torch.manual_seed(0)
+    heads, kv_heads, dim, slots = 12, 2, 64, 600
+    keys = torch.randn(slots, kv_heads, dim, device=device)
+    values = torch.randn(slots, kv_heads, dim, device=device)
+    order = torch.randperm(slots, device=device)
+    key_slots = torch.stack([order[:120], order[120:240], order[240:360]])  # three rows, scattered pages
+    positions = torch.tensor([[116, 117, 118, 119], [5, 6, 7, 8], [60, 61, 62, 63]], device=device)
+    rows = torch.arange(3, device=device).repeat_interleave(4)
+    q = torch.randn(3, heads, 4, dim, device=device)
+    out = triton_attention(q, keys, values, key_slots, rows, positions.flatten())
+    worst = 0.0
+    for b in range(3):
+        k = keys[key_slots[b]].transpose(0, 1)[None]
+        v = values[key_slots[b]].transpose(0, 1)[None]
+        for s in range(4):
+            p = int(positions[b, s])
+            ref = F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[:, :, :p + 1], v[:, :, :p + 1],
+                                                 enable_gqa=True)
+            worst = max(worst, float((out[b:b + 1, :, s:s + 1] - ref).abs().max()))
+            alone = triton_attention(q[b:b + 1, :, s:s + 1].contiguous(), keys, values, key_slots[b:b + 1],
+                                     torch.zeros(1, dtype=torch.long, device=device), positions[b, s:s + 1])
+            assert torch.equal(alone, out[b:b + 1, :, s:s + 1]), (b, s)
+    assert worst < 1e-4, worst
+    print("ok", worst)
+""")
+
+
+def test_the_triton_kernel_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", CHECK.format(device="cpu")], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_triton_kernel_on_cuda():
+    result = subprocess.run([sys.executable, "-c", CHECK.format(device="cuda")], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
