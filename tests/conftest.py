@@ -21,6 +21,14 @@ def profiles_in_tmp(tmp_path_factory):
         os.environ[PROFILES_ENV] = previous
 
 
+@pytest.fixture
+def drafting_pays(monkeypatch):
+    """Adaptive drafters plan with `tests.drafting.DRAFTING_PAYS` instead of costs measured here."""
+    from tests.drafting import DRAFTING_PAYS
+
+    monkeypatch.setattr("draftwise.speculative.drafter.load_or_measure", lambda *args, **kwargs: DRAFTING_PAYS)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), "qwen2", seed=0)

@@ -9,8 +9,10 @@ from draftwise import LLM
 from draftwise.speculative.control.controller import (CATCH_UP_MARGIN, AcceptanceEstimate, GoodputController,
                                            best_num_tokens, expected_tokens)
 from draftwise.speculative.control.cost_model import CostModel
-from draftwise.speculative.control.profile import profile_path
+from draftwise.speculative.control import profile
+from draftwise.speculative.control.profile import measure, profile_path
 from draftwise.cli import main
+from tests.clocks import WorkClock
 
 
 def costs(plain=0.070, per_extra_token=0.012, draft_per_token=0.020, catch_up=0.0, cliff_at=None):
@@ -190,20 +192,28 @@ def test_cost_model_interpolates_and_round_trips(tmp_path):
     assert CostModel.read(tmp_path / "bad.json") is None
 
 
-def test_profile_is_measured_once_and_cached(tiny_qwen):
+def test_profile_is_measured_once_and_cached(tiny_qwen, tmp_path, monkeypatch):
+    monkeypatch.setenv(profile.PROFILES_ENV, str(tmp_path))  # not what earlier tests measured
+    clock = WorkClock(monkeypatch, "draftwise.speculative.control.profile")
+    measured = []
+    monkeypatch.setattr(profile, "measure", lambda *args: measured.append(args) or measure(*args))
     llm = LLM(str(tiny_qwen), max_model_len=256, progress=False,
               speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4})
     model = llm.cost_model
-    assert set(model.target) >= {1, 2, 4, 8, 16} and all(t > 0 for t in model.target.values())
-    assert set(model.draft) == {1, 2, 3, 4} and model.draft[4] > model.draft[1]
-    assert model.catch_up > 0  # the draft model has its own cache to fill
+    assert len(measured) == 1
+    assert model.target == pytest.approx({n: clock.cost(n) for n in profile.TARGET_SIZES})
+    # Each draft of k tokens: k one-token forwards of the draft model (it holds all but the newest token).
+    assert model.draft == pytest.approx({k: k * clock.cost(1) for k in (1, 2, 3, 4)})
+    # From scratch, the draft model reads its 128-token window at once: 127 tokens more than a warm draft.
+    assert model.catch_up == pytest.approx(clock.per_token)
     path = profile_path(model.key)
     assert json.loads(path.read_text())["key"] == model.key
     again = LLM(str(tiny_qwen), max_model_len=256, progress=False,
                 speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4})
-    assert again.cost_model == model  # read back, not measured again
+    assert again.cost_model == model and len(measured) == 1  # read back, not measured again
     ngram = LLM(str(tiny_qwen), max_model_len=256, progress=False, speculative={"method": "ngram"})
-    assert ngram.cost_model.catch_up == 0 and ngram.cost_model.key != model.key
+    assert len(measured) == 2 and ngram.cost_model.key != model.key
+    assert ngram.cost_model.catch_up == 0 and set(ngram.cost_model.draft.values()) == {0.0}  # no model runs
 
 
 def test_profile_command_prints_the_table(tiny_qwen, capsys):

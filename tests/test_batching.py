@@ -1,5 +1,7 @@
 """Continuous batching: each request's output in a batch equals its output alone (greedy, fp32),
-whatever the batch, the arrivals, the drafter or the preemptions; KV blocks are never leaked."""
+whatever the batch, the arrivals, the drafter or the preemptions; KV blocks are never leaked.
+Every speculative run also shows that it drafted (and had drafts accepted, where the drafter
+can be right): an equality between runs that never drafted would prove nothing."""
 
 import pytest
 
@@ -10,6 +12,7 @@ from draftwise.errors import PromptTooLongError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.speculative.proposer import Draft
 from draftwise.tokenizer import Tokenizer
+from tests.drafting import assert_drafted, spec_totals
 
 WORDS = "def add return value print the quick brown fox for range list dict x y z".split()
 # Prompts of mixed lengths (1 to ~40 tokens), some repetitive (prompt lookup finds matches).
@@ -31,6 +34,17 @@ DRAFTERS = {
     "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=3),
     "layer_skip": lambda target, draft: dict(method="layer_skip", num_layers=1, num_speculative_tokens=3),
 }
+# Whether each drafter's drafts are ever right on tiny_qwen (the random models never agree, and
+# the random target does not continue its prompts, so prompt lookup only proposes).
+ACCEPTS = {"draft=target": True, "random draft": False, "ngram": False, "layer_skip": True}
+
+
+def assert_drafted_as_expected(drafter, outputs):
+    """A speculative run drafted (and had drafts accepted where the drafter can be right); plain did not."""
+    if drafter == "plain":
+        assert spec_totals(outputs).num_draft_tokens == 0
+    else:
+        assert_drafted(outputs, accepted=ACCEPTS[drafter])
 
 
 def build(target, draft, drafter, adaptive=False, **kwargs):
@@ -70,15 +84,17 @@ def run_checking_blocks(llm, prompts, params, arrivals=None, preempt_at=()):
 def test_batched_output_equals_solo_output(drafter, batch_size, tiny_qwen, random_draft, solo_outputs):
     llm = build(tiny_qwen, random_draft, drafter, max_num_seqs=batch_size)
     prompts = PROMPTS[:max(batch_size, 4)]
-    got = {p: o.token_ids for p, o in zip(prompts, llm.generate(prompts, GREEDY))}
-    assert got == {p: solo_outputs[p] for p in prompts}
+    outputs = llm.generate(prompts, GREEDY)
+    assert {p: o.token_ids for p, o in zip(prompts, outputs)} == {p: solo_outputs[p] for p in prompts}
+    assert_drafted_as_expected(drafter, outputs)
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
-def test_requests_arriving_while_others_run(drafter, tiny_qwen, random_draft, solo_outputs):
+def test_requests_arriving_while_others_run(drafter, tiny_qwen, random_draft, solo_outputs, drafting_pays):
     llm = build(tiny_qwen, random_draft, drafter, adaptive=True, max_num_seqs=6)
-    got, _ = run_checking_blocks(llm, PROMPTS[:4], GREEDY, arrivals={2: PROMPTS[4:7], 9: PROMPTS[7:12]})
+    got, outputs = run_checking_blocks(llm, PROMPTS[:4], GREEDY, arrivals={2: PROMPTS[4:7], 9: PROMPTS[7:12]})
     assert got == {p: solo_outputs[p] for p in PROMPTS[:12]}
+    assert_drafted_as_expected(drafter, outputs.values())
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
@@ -94,6 +110,7 @@ def test_forced_preemption_loses_nothing(drafter, tiny_qwen, random_draft, solo_
     got, outputs = run_checking_blocks(llm, prompts, GREEDY, preempt_at=(3, 6, 10, 15))
     assert got == {p: solo_outputs[p] for p in prompts}
     assert sum(o.metrics.num_preemptions for o in outputs.values()) >= 2
+    assert_drafted_as_expected(drafter, outputs.values())
 
 
 def test_memory_budget_makes_requests_wait_then_complete(tiny_qwen, solo_outputs):
@@ -161,7 +178,8 @@ def test_rows_accepting_everything_and_nothing_share_a_batch(tiny_qwen, solo_out
     assert min(rates[True]) == 1.0 and max(rates[False]) == 0.0
 
 
-def test_rows_of_different_drafters_and_plain_rows_share_a_batch(tiny_qwen, random_draft, solo_outputs):
+def test_rows_of_different_drafters_and_plain_rows_share_a_batch(tiny_qwen, random_draft, solo_outputs,
+                                                                 drafting_pays):
     """Per-request speculation: the LLM's drafter, none, prompt lookup with k <= 2, and layer skip
     (built on first use), all in one running batch."""
     llm = build(tiny_qwen, random_draft, "draft=target", max_num_seqs=8)
@@ -174,15 +192,15 @@ def test_rows_of_different_drafters_and_plain_rows_share_a_batch(tiny_qwen, rand
             if output.finished:
                 outputs[output.request_id] = output
     assert {ids[r][0]: o.token_ids for r, o in outputs.items()} == {p: solo_outputs[p] for p in PROMPTS[:8]}
-    assert set(llm.engine.drafters) == {"draft", "ngram", "layer_skip"}
-    for request_id, output in outputs.items():
-        spec, kind = output.metrics.spec, ids[request_id][1]
-        if kind == 0:
-            assert spec.mean_acceptance_length > 1  # the target as its own draft
-        if kind == 1:
-            assert spec.num_drafts == 0 and spec.num_plain_steps == 0
-        if kind == 2:
-            assert len(spec.drafted_per_position) <= 2
+    assert set(llm.engine.drafters) == {"draft", "ngram", "layer_skip"}  # (built adaptive, on DRAFTING_PAYS)
+    by_kind = {kind: [o for r, o in outputs.items() if ids[r][1] == kind] for kind in range(4)}
+    for output in by_kind[0]:
+        assert output.metrics.spec.mean_acceptance_length > 1  # the target as its own draft
+    for output in by_kind[1]:
+        assert output.metrics.spec.num_drafts == 0 and output.metrics.spec.num_plain_steps == 0
+    assert_drafted(by_kind[2], accepted=False)  # prompt lookup, never right on tiny_qwen
+    assert all(len(o.metrics.spec.drafted_per_position) <= 2 for o in by_kind[2])
+    assert_drafted(by_kind[3])  # layer skip
     with pytest.raises(Exception, match="loads a model of its own"):
         build(tiny_qwen, random_draft, "plain").add_request("hi", GREEDY, speculative={"method": "draft"})
 

@@ -12,6 +12,7 @@ from draftwise.benchmark.report import markdown, write_outputs
 from draftwise.benchmark.runner import RequestResult, draftwise_configs, parse_config, run_benchmark, summarize
 from draftwise.errors import InvalidParameterError
 from draftwise.speculative.verify import VerifyResult, verify
+from tests.clocks import TickingClock
 
 
 @pytest.fixture
@@ -26,7 +27,10 @@ def prompts(tmp_path, tiny_qwen):
     return make_llm, load_prompts(str(traffic), make_llm().tokenizer, per_category=5)
 
 
-def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path):
+def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path, monkeypatch, drafting_pays):
+    """With a clock that ticks once per step of a request (batch 1), tokens per second are tokens
+    per step: 1 for plain decoding, and the speedup is the gain in tokens per step."""
+    TickingClock(monkeypatch, "draftwise.engine.sequence")
     make_llm, items = prompts
     params = SamplingParams(temperature=0.0, max_tokens=12)
     contestants = draftwise_configs(make_llm, ["ngram:k=2", "draft:k<=3", "draft:k=1"], params,
@@ -38,10 +42,14 @@ def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path):
     assert set(summary["plain"]) == {"code", "chat", "all"}
     for name, by_category in summary.items():
         assert by_category["all"]["equal_to_plain"] == 3, name
-        assert by_category["all"]["requests"] == 3 and by_category["all"]["tokens_per_s"] > 0
+        assert by_category["all"]["requests"] == 3
+        assert name == "plain" or by_category["all"]["acceptance_rate"] is not None, name  # it drafted
     assert summary["plain"]["all"]["speedup"] == 1.0 and summary["plain"]["all"]["tau"] == 1.0
+    assert summary["plain"]["all"]["tokens_per_s"] == 1.0
     assert summary["plain"]["all"]["acceptance_rate"] is None  # no drafter: "-", not 0%
-    assert summary["draft:k=1"]["all"]["acceptance_by_position"] == [1.0]  # the target drafting for itself
+    for name in ("draft:k<=3", "draft:k=1"):  # the target drafting for itself
+        assert summary[name]["all"]["acceptance_rate"] == 1.0 and summary[name]["all"]["speedup"] > 1.5
+    assert summary["draft:k=1"]["all"]["acceptance_by_position"] == [1.0]
     assert summary["draft:k=1"]["all"]["tau"] > 1.5
     paths = write_outputs(results, summary, tmp_path / "out", "tiny")
     saved = json.loads(paths["json"].read_text())
@@ -85,9 +93,10 @@ def test_config_syntax():
             parse_config(bad)
 
 
-def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts):
+def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts, monkeypatch):
     """transformers on the tiny GGUF: plain, assistant and prompt lookup agree with HF's own plain decoding."""
     pytest.importorskip("transformers")
+    TickingClock(monkeypatch, "draftwise.benchmark.peers")  # one tick per request: tokens per second = tokens
     from draftwise.benchmark.peers import hf_configs
 
     make_llm, items = prompts
@@ -97,7 +106,8 @@ def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts):
     assert list(summary) == ["plain", "hf plain", "hf prompt lookup", "hf assistant"]
     for name in ("hf plain", "hf prompt lookup", "hf assistant"):
         assert summary[name]["all"]["equal_to_plain"] == 3, name
-        assert summary[name]["all"]["tau"] is None and summary[name]["all"]["tokens_per_s"] > 0
+        assert summary[name]["all"]["tau"] is None
+        assert summary[name]["all"]["tokens_per_s"] == summary[name]["all"]["tokens"] / 3
         assert summary[name]["all"]["acceptance_rate"] is None
     assert "| hf assistant |" in markdown(summary)
 

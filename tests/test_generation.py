@@ -4,16 +4,21 @@ import pytest
 
 from draftwise import LLM, SamplingParams
 from draftwise.errors import InvalidParameterError, ModelNotFoundError, PromptTooLongError
+from tests.clocks import TickingClock
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(", "héllo"]
 
 
-def test_max_tokens_and_metrics(tiny_llm):
+def test_max_tokens_and_metrics(tiny_llm, monkeypatch):
+    TickingClock(monkeypatch, "draftwise.engine.sequence")  # read on arrival and at each step's tokens
     out = tiny_llm.generate("def add(a, b):", GREEDY)[0]
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
     assert out.text == tiny_llm.tokenizer.decode(out.token_ids)
-    assert out.metrics.num_generated_tokens == 12 and out.metrics.tokens_per_second > 0
+    assert out.metrics.num_generated_tokens == 12
+    # 12 steps (the prefill, then 11 decode steps) of one token, one clock tick each
+    assert out.metrics.seconds == 12 and out.metrics.time_to_first_token == 1
+    assert out.metrics.tokens_per_second == out.metrics.decode_tokens_per_second == 1.0
     assert out.outputs[0].text == out.text
 
 

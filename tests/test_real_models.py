@@ -97,21 +97,22 @@ def test_real_speculative_greedy_equals_plain(request, weights, spec):
     assert accepted > 0
 
 
-def test_real_adaptive_speculation_equals_plain(quantized_target):
-    """The default controller with every option on, on the default int4 weights."""
+def test_real_adaptive_speculation_equals_plain(quantized_target, drafting_pays):
+    """The default controller with every option on, on the default int4 weights, planning with a
+    cost model on which drafting pays (this machine's may rightly say it does not: then nothing
+    would be drafted and the comparison would prove nothing)."""
     params = SamplingParams(temperature=0, max_tokens=32)
     quantized_target.set_speculative(None)
     expected = [o.token_ids for o in quantized_target.generate(SPEC_PROMPTS, params)]
     quantized_target.set_speculative({"method": "draft", "num_speculative_tokens": 4, "draft_vocab_size": 32768,
                                       "draft_confidence_threshold": 0.3})
     try:
-        assert quantized_target.cost_model.target_seconds(1) > 0
         got = [o.token_ids for o in quantized_target.generate(SPEC_PROMPTS, params)]
         metrics = quantized_target.spec_metrics
     finally:
         quantized_target.set_speculative(None)
     assert got == expected
-    assert metrics.num_drafts + metrics.num_plain_steps > 0
+    assert metrics.num_draft_tokens > 0 and metrics.num_accepted_tokens > 0
 
 
 def test_real_tokenizer_mismatch_is_a_clear_error():

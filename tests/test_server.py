@@ -12,13 +12,18 @@ uvicorn = pytest.importorskip("uvicorn")
 from draftwise import LLM, SamplingParams  # noqa: E402
 from draftwise.server.app import ServerOptions  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
+from tests.drafting import DRAFTING_PAYS  # noqa: E402
 
 MODEL = "tiny"
 
 
 def served_llm(tiny_qwen):
-    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
-               speculative={"method": "ngram", "num_speculative_tokens": 3})
+    """Adaptive prompt lookup, planning with a cost model on which drafting pays (what it measures
+    on the tiny model may say it never does; then no comparison below would involve a draft)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("draftwise.speculative.drafter.load_or_measure", lambda *args, **kwargs: DRAFTING_PAYS)
+        return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
+                   speculative={"method": "ngram", "num_speculative_tokens": 3})
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +56,21 @@ def test_completion_chat_and_models(server, reference):
     assert completion.choices[0].text == expected.text
     assert completion.choices[0].finish_reason == expected.finish_reason
     assert completion.usage.completion_tokens == len(expected.token_ids)
+    assert completion.usage.speculation["num_draft_tokens"] > 0
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}], **GREEDY)
     expected_chat = reference.chat([{"role": "user", "content": "hello there"}], SamplingParams(**GREEDY))[0]
     assert chat.choices[0].message.content == expected_chat.text
     assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.speculation["num_draft_tokens"] > 0
 
 
 def test_streaming_equals_non_streaming_equals_generate(server, reference):
     client = server.client()
     prompt = "for i in range(10):\n    print("
     expected = reference.generate(prompt, SamplingParams(**GREEDY))[0].text
-    whole = client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
+    whole_completion = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    whole = whole_completion.choices[0].text
+    assert whole_completion.usage.speculation["num_draft_tokens"] > 0
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == whole == expected
@@ -71,7 +80,7 @@ def test_streaming_equals_non_streaming_equals_generate(server, reference):
         stream_options={"include_usage": True}, **GREEDY))
     chat_text = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
     assert chat_text == reference.chat([{"role": "user", "content": prompt}], SamplingParams(**GREEDY))[0].text
-    assert chat_chunks[-1].usage.completion_tokens > 0
+    assert chat_chunks[-1].usage.completion_tokens > 0 and chat_chunks[-1].usage.speculation["num_draft_tokens"] > 0
 
 
 def test_per_request_speculation_and_its_usage(server):
@@ -153,7 +162,7 @@ def test_metrics_count_speculation_per_segment(server):
     assert "draftwise:time_to_first_token_seconds_bucket" in text and "draftwise:kv_cache_usage_perc" in text
 
 
-def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference):
+def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference, llm):
     """Bounded load: 48 streaming clients at once on loopback (the server runs 4 at a time, the
     rest queue); every stream completes, ends with [DONE], and equals plain decoding."""
     import asyncio
@@ -180,4 +189,6 @@ def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference):
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
+    drafted_before = llm.spec_metrics.num_draft_tokens
     assert asyncio.run(all_clients()) == expected
+    assert llm.spec_metrics.num_draft_tokens > drafted_before

@@ -1,0 +1,31 @@
+"""What equality tests need to be able to fail: proof that drafting happened, and a cost model on
+which the adaptive controller drafts (measured costs on a tiny model may rightly say it never pays,
+and an equality test that never drafts proves nothing)."""
+
+from __future__ import annotations
+
+from draftwise.speculative.control.cost_model import CostModel
+from draftwise.speculative.metrics import SpecMetrics
+
+# A GPU-like machine: a target pass costs the same for 1 to 64 tokens, a drafted token 1% of it.
+# The adaptive controller then drafts (k up to its maximum while acceptance is high, and still
+# k = 1 at an acceptance of a few percent), so its choices follow acceptance, not this machine's speed.
+DRAFTING_PAYS = CostModel({n: 0.010 for n in (1, 2, 4, 8, 16, 32, 64)},
+                          {k: 0.0001 * k for k in range(1, 17)}, catch_up=0.0, key="tests: drafting pays")
+
+
+def spec_totals(outputs) -> SpecMetrics:
+    """The speculation counters of these request outputs, summed."""
+    total = SpecMetrics()
+    for output in outputs:
+        total.merge(output.metrics.spec)
+    return total
+
+
+def assert_drafted(outputs, accepted: bool = True) -> SpecMetrics:
+    """Drafts were proposed for these outputs (and some drafted tokens accepted, if `accepted`)."""
+    total = spec_totals(outputs)
+    assert total.num_draft_tokens > 0, f"nothing was drafted, so the comparison proves nothing: {total}"
+    if accepted:
+        assert total.num_accepted_tokens > 0, f"no drafted token was accepted: {total}"
+    return total
