@@ -254,6 +254,8 @@ def test_plain_and_quantization_suites_measure_formats(settings, monkeypatch, tm
     assert measures["none"][2]["perplexity"] == pytest.approx(measures["none (control)"][2]["perplexity"])
     assert 0 < measures["int8:pytorch"][2]["top1_agreement"] <= 1 and measures["none"][2]["tokens"] == 47
     assert "| int8:pytorch |" in quality.markdown and "int8: " in quality.markdown
+    assert control_ratio(quality.markdown) == pytest.approx(
+        quality.data["summary"]["none (control)"]["all"]["speedup"], abs=0.006)
     with pytest.raises(InvalidParameterError, match="FORMAT"):
         run_suite("plain", replace(settings, formats=("int3",)))
 
@@ -287,7 +289,7 @@ def test_cli_writes_the_suite_and_a_benchmarks_section_headed_by_its_command(tin
     assert f"<!-- tiny:start -->\nCommand: `draftwise bench --suite plain --model {tiny_qwen} " in text
     assert "| none (control) |" in text
     saved = json.loads((tmp_path / "out" / "plain.json").read_text())
-    assert set(saved["summary"]) == {"none", "none (control)"}
+    assert set(saved["summary"]) == {"none", "none (control)"} and saved["settings"]["formats"] == ["none"]
     assert (tmp_path / "out" / "plain.md").read_text().startswith(f"{tiny_qwen}: plain decoding")
     assert math.isfinite(saved["summary"]["none (control)"]["all"]["speedup"])
 

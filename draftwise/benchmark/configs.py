@@ -65,6 +65,8 @@ def parse_config(text: str, options: dict[str, dict] | None = None) -> dict | No
 
 
 def is_adaptive(text: str) -> bool:
+    """Whether a drafter config lets the controller choose k ('ngram', 'ngram:k<=4'; not 'ngram:k=2')."""
+    config_method(text)
     return CONFIG_PATTERN.match(text).group(2) != "="
 
 
@@ -90,8 +92,10 @@ class LLMRecipe:
                        max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False)
         finally:
             if not self.native_kernels:  # in-process builds after this one get the path they ask for
-                os.environ.pop(NATIVE_KERNELS_ENV, None) if before is None else os.environ.update(
-                    {NATIVE_KERNELS_ENV: before})
+                if before is None:
+                    os.environ.pop(NATIVE_KERNELS_ENV, None)
+                else:
+                    os.environ[NATIVE_KERNELS_ENV] = before
                 native.kernels.cache_clear()
 
 

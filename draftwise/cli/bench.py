@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> None:
         from draftwise.benchmark.configs import default_configs
 
         methods = default_configs()
+    if args.peers and args.suite != "speculative":
+        raise InvalidParameterError("--peers runs beside the speculative suite only")
     for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")

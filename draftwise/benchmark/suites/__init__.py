@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from draftwise.loading.registry import DEFAULT_TARGET
@@ -56,6 +56,9 @@ class BenchSettings:
 
 
 def run_suite(name: str, settings: BenchSettings):
-    """Run suite `name`; its `SuiteReport`."""
+    """Run suite `name`; its `SuiteReport`, whose data records the settings too."""
     module = importlib.import_module(f"draftwise.benchmark.suites.{SUITES[name][0]}")
-    return module.run(settings)
+    report = module.run(settings)
+    report.data["settings"] = {f.name: getattr(settings, f.name) for f in fields(settings)
+                               if f.name != "serve_arguments"}
+    return report
