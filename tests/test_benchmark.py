@@ -37,10 +37,13 @@ def traffic(tmp_path_factory):
 
 
 @pytest.fixture
-def fast_profiles(monkeypatch):
-    """A synthetic cost model instead of timing the tiny model (adaptive configs need one)."""
+def fast_profiles(monkeypatch, tmp_path):
+    """A synthetic cost model instead of timing the tiny model (adaptive configs need one), cached
+    apart from the session's profiles so that no other test reads it."""
     from draftwise.speculative.control import profile
     from draftwise.speculative.control.cost_model import CostModel
+
+    monkeypatch.setenv(profile.PROFILES_ENV, str(tmp_path / "synthetic-profiles"))
 
     def measure(runner, proposer, tokenizer, max_draft_tokens):
         return CostModel({n: 0.01 + 0.002 * n for n in profile.TARGET_SIZES},

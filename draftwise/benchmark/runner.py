@@ -24,8 +24,9 @@ machine to itself); then the parent sends one item at a time and waits for its r
 process computes at any moment. No LLM is built after another one in its process, so no build order
 is left to bias it, and this holds within every single run. Rotating the build order instead would
 need as many runs as configs to average the bias out, and each run would still carry it. A worker
-costs its start-up (importing torch, building its LLM) and a pipe round trip per item; nothing while
-it computes. `isolation="in-process"` builds every recipe here, in order: quick, for the tests and
+costs its start-up (importing torch, building its LLM), and per item a pipe round trip and a 20 ms
+pause (`workers.SETTLE_SECONDS`: one worker's spinning OpenMP threads never overlap the next item),
+neither of them timed; nothing while it computes. `isolation="in-process"` builds every recipe here, in order: quick, for the tests and
 for debugging, with the bias. Either way every table carries the plain-vs-plain control
 (`configs.CONTROL`, built last): plain decoding again, run exactly like plain, whose ratio is the
 run's noise floor.

@@ -5,9 +5,9 @@ benchmarked by default); each option is measured on the drafters whose registere
 1. The draft LM head (`draft_vocab_size`): the full head against the trimmed one (the drafter's
    default, or `--draft-vocab-size`), adaptive k <= 4, greedy: the drafter's propose time for 1 and 3
    tokens from its measured cost model, acceptance, speedup.
-2. Confidence stop (`draft_confidence_threshold`): off against the threshold given (default 0.5), at
-   a fixed k = 4 so that the stop alone shortens drafts, greedy: acceptance, drafted tokens per
-   draft, tau, speedup.
+2. Confidence stop (`draft_confidence_threshold`): off against the threshold given (`--confidence`;
+   default 0.5), at a fixed k = 4 so that the stop alone shortens drafts, greedy: acceptance,
+   drafted tokens per draft, tau, speedup.
 3. Randomized drafting (`draft_probability`, which every drafter takes): sampling (temperature 0.8,
    top-p 0.95, seed 1) at a fixed k = 2, drafting with probability a = 1, 0.7 and 0.5 per step,
    against plain sampling: first-position acceptance, acceptance, share of decode steps without a
