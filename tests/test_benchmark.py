@@ -1,65 +1,88 @@
-"""`draftwise bench` on a tiny model: the report, JSON and plots, and an equality check that flags a
-config whose outputs differ from plain decoding."""
+"""`draftwise bench` on tiny models: every suite end to end with its control ratio, the runner's
+interleaving and its process per config, the one speedup definition, peers run or shown absent,
+and the equality check that flags a config whose outputs differ from plain decoding's."""
 
 import json
+import math
+import os
+import re
+from dataclasses import replace
 
 import pytest
 import torch
 
-from draftwise import LLM, SamplingParams
+from draftwise.benchmark.configs import CONTROL, LLMRecipe, config_recipes, parse_config
 from draftwise.benchmark.datasets import load_prompts
-from draftwise.benchmark.report import markdown, write_outputs
-from draftwise.benchmark.runner import RequestResult, draftwise_configs, parse_config, run_benchmark, summarize
+from draftwise.benchmark.peers import peer_recipes
+from draftwise.benchmark.probes import BuildInfo
+from draftwise.benchmark.report import speedup_tables
+from draftwise.benchmark.runner import ConfigResult, RequestResult, lineup, run_benchmark
+from draftwise.benchmark.suites import BenchSettings, run_suite
+from draftwise.benchmark.summary import speedup, summarize
+from draftwise.cli import main
+from draftwise.cli.speculative_flags import speculative_arguments
 from draftwise.errors import InvalidParameterError
+from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.verify import VerifyResult, verify
-from tests.clocks import TickingClock
+from draftwise.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory):
+    path = tmp_path_factory.mktemp("traffic") / "prompts.jsonl"
+    rows = [{"prompt": "def add(a, b):", "category": "code"}, {"prompt": "for i in range(3):", "category": "code"},
+            {"messages": [{"role": "user", "content": "hello"}], "category": "chat"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
 
 
 @pytest.fixture
-def prompts(tmp_path, tiny_qwen):
-    traffic = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": "def add(a, b):", "category": "code"}, {"prompt": "for i in range(3):", "category": "code"},
-            {"messages": [{"role": "user", "content": "hello"}], "category": "chat"}]
-    traffic.write_text("\n".join(json.dumps(r) for r in rows))
-    def make_llm():
-        return LLM(str(tiny_qwen), max_num_seqs=1, max_model_len=256, progress=False)
+def fast_profiles(monkeypatch, tmp_path):
+    """A synthetic cost model instead of timing the tiny model (adaptive configs need one), cached
+    apart from the session's profiles so that no other test reads it."""
+    from draftwise.speculative.control import profile
+    from draftwise.speculative.control.cost_model import CostModel
 
-    return make_llm, load_prompts(str(traffic), make_llm().tokenizer, per_category=5)
+    monkeypatch.setenv(profile.PROFILES_ENV, str(tmp_path / "synthetic-profiles"))
+
+    def measure(runner, proposer, tokenizer, max_draft_tokens):
+        return CostModel({n: 0.01 + 0.002 * n for n in profile.TARGET_SIZES},
+                         {k: 0.002 * k for k in range(1, max_draft_tokens + 1)} if proposer else {})
+
+    monkeypatch.setattr(profile, "measure", measure)
 
 
-def test_bench_reports_every_config_and_category(prompts, tiny_qwen, tmp_path, monkeypatch, drafting_pays):
-    """With a clock that ticks once per step of a request (batch 1), tokens per second are tokens
-    per step: 1 for plain decoding, and the speedup is the gain in tokens per step."""
-    TickingClock(monkeypatch, "draftwise.engine.sequence")
-    make_llm, items = prompts
-    params = SamplingParams(temperature=0.0, max_tokens=12)
-    contestants = draftwise_configs(make_llm, ["ngram:k=2", "draft:k<=3", "draft:k=1"], params,
-                                    {"draft": {"model": str(tiny_qwen)}})
-    assert len({id(c.llm) for c in contestants}) == 4  # one LLM per config
-    results = run_benchmark(contestants, items, progress=False)
-    summary = summarize(results)
-    assert list(summary) == ["plain", "ngram:k=2", "draft:k<=3", "draft:k=1"]
+@pytest.fixture
+def settings(tmp_path, tiny_qwen, traffic):
+    return BenchSettings(output=tmp_path / "out", model=str(tiny_qwen), datasets=(str(traffic),), per_category=5,
+                         max_tokens=8, isolation="in-process", max_model_len=512, progress=False,
+                         options={"draft": {"model": str(tiny_qwen)}})
+
+
+def control_ratio(markdown: str) -> float:
+    return float(re.search(r"Control: `[^`]+` is `[^`]+` again.*?\*\*([0-9.]+)x\*\*", markdown).group(1))
+
+
+def test_speculative_suite_reports_every_config_category_and_the_control(settings, fast_profiles):
+    report = run_suite("speculative", replace(settings, configs=("ngram:k=2", "draft:k<=3", "draft:k=1")))
+    summary = report.data["summary"]
+    assert list(summary) == ["plain", "ngram:k=2", "draft:k<=3", "draft:k=1", CONTROL]
     assert set(summary["plain"]) == {"code", "chat", "all"}
     for name, by_category in summary.items():
         assert by_category["all"]["equal_to_plain"] == 3, name
-        assert by_category["all"]["requests"] == 3
-        assert name == "plain" or by_category["all"]["acceptance_rate"] is not None, name  # it drafted
+        assert by_category["all"]["requests"] == 3 and by_category["all"]["tokens_per_s"] > 0
     assert summary["plain"]["all"]["speedup"] == 1.0 and summary["plain"]["all"]["tau"] == 1.0
-    assert summary["plain"]["all"]["tokens_per_s"] == 1.0
     assert summary["plain"]["all"]["acceptance_rate"] is None  # no drafter: "-", not 0%
-    for name in ("draft:k<=3", "draft:k=1"):  # the target drafting for itself
-        assert summary[name]["all"]["acceptance_rate"] == 1.0 and summary[name]["all"]["speedup"] > 1.5
-    assert summary["draft:k=1"]["all"]["acceptance_by_position"] == [1.0]
+    assert summary["draft:k=1"]["all"]["acceptance_by_position"] == [1.0]  # the target drafting for itself
     assert summary["draft:k=1"]["all"]["tau"] > 1.5
-    paths = write_outputs(results, summary, tmp_path / "out", "tiny")
-    saved = json.loads(paths["json"].read_text())
-    assert set(saved["summary"]) == set(summary) and len(saved["requests"]["plain"]) == 3
-    for key in ("speedup_by_category", "acceptance_by_position", "speedup_vs_k"):
-        assert paths[key].stat().st_size > 1000
-    assert "| draft:k<=3 |" in paths["markdown"].read_text()
+    assert control_ratio(report.markdown) == pytest.approx(summary[CONTROL]["all"]["speedup"], abs=0.006)
+    assert f"| {CONTROL} |" in report.markdown and "| draft:k<=3 |" in report.markdown
+    assert "| hf (transformers) | not run (--peers hf runs it) |" in report.markdown  # absent, not quoted
+    for path in report.plots.values():
+        assert path.stat().st_size > 1000
 
 
-def test_equality_check_flags_a_diverging_config(prompts, random_draft, monkeypatch):
+def test_equality_check_flags_a_diverging_config(settings, random_draft, monkeypatch, traffic):
     """A verifier that accepts every drafted token (a random draft's included) must show up."""
     def accept_everything(draft_token_ids, num_draft, target_logits, *args, **kwargs):
         honest = verify(draft_token_ids, num_draft, target_logits, *args, **kwargs)
@@ -67,18 +90,17 @@ def test_equality_check_flags_a_diverging_config(prompts, random_draft, monkeypa
         output = honest.output_token_ids.clone()
         take = torch.arange(width)[None, :] < num_draft[:, None]
         output[:, :width] = torch.where(take, draft_token_ids, -1)
-        output[torch.arange(len(num_draft)), num_draft] = target_logits.argmax(-1)[torch.arange(len(num_draft)), num_draft]
+        rows = torch.arange(len(num_draft))
+        output[rows, num_draft] = target_logits.argmax(-1)[rows, num_draft]
         return VerifyResult(output, num_draft.clone())
 
     monkeypatch.setattr("draftwise.engine.engine.verify", accept_everything)
-    make_llm, items = prompts
-    contestants = draftwise_configs(make_llm, ["draft:k=3"], SamplingParams(temperature=0.0, max_tokens=12),
-                                    {"draft": {"model": str(random_draft)}})
-    results = run_benchmark(contestants, items, progress=False)
-    summary = summarize(results)
-    assert summary["plain"]["all"]["equal_to_plain"] == 3
+    report = run_suite("speculative", replace(settings, configs=("draft:k=3",),
+                                              options={"draft": {"model": str(random_draft)}}))
+    summary = report.data["summary"]
+    assert summary["plain"]["all"]["equal_to_plain"] == summary[CONTROL]["all"]["equal_to_plain"] == 3
     assert summary["draft:k=3"]["all"]["equal_to_plain"] < 3
-    assert "| draft:k=3 |" in markdown(summary)
+    assert re.search(r"\| draft:k=3 \|.*\| [0-2]/3 \|", report.markdown)
 
 
 def test_config_syntax():
@@ -93,27 +115,20 @@ def test_config_syntax():
             parse_config(bad)
 
 
-def test_hf_peers_run_on_the_same_gguf(tiny_qwen_gguf, prompts, monkeypatch):
-    """transformers on the tiny GGUF: plain, assistant and prompt lookup agree with HF's own plain decoding."""
-    pytest.importorskip("transformers")
-    TickingClock(monkeypatch, "draftwise.benchmark.peers")  # one tick per request: tokens per second = tokens
-    from draftwise.benchmark.peers import hf_configs
+def test_speedup_is_total_tokens_over_total_seconds():
+    """One definition: (sum tokens / sum seconds) of the config over the same of plain. A mean of
+    per-prompt ratios (1.5 here) or Spec-Bench's ratio of mean per-prompt speeds (1.9) would differ."""
+    def config(name, seconds):
+        return ConfigResult(name, requests=[RequestResult("x", 10, s, 0.1, [1] * 10, 9) for s in seconds])
 
-    make_llm, items = prompts
-    ours = draftwise_configs(make_llm, [], SamplingParams(temperature=0.0, max_tokens=8))
-    peers = hf_configs(str(tiny_qwen_gguf), str(tiny_qwen_gguf), 8)
-    summary = summarize(run_benchmark(ours + peers, items, progress=False))
-    assert list(summary) == ["plain", "hf plain", "hf prompt lookup", "hf assistant"]
-    for name in ("hf plain", "hf prompt lookup", "hf assistant"):
-        assert summary[name]["all"]["equal_to_plain"] == 3, name
-        assert summary[name]["all"]["tau"] is None
-        assert summary[name]["all"]["tokens_per_s"] == summary[name]["all"]["tokens"] / 3
-        assert summary[name]["all"]["acceptance_rate"] is None
-    assert "| hf assistant |" in markdown(summary)
+    plain, faster = config("plain", [1.0, 9.0]), config("fast", [0.5, 9.0])
+    assert speedup(20, 9.5, 20, 10.0) == pytest.approx(10 / 9.5)
+    assert summarize([plain, faster])["fast"]["all"]["speedup"] == pytest.approx((20 / 9.5) / (20 / 10.0))
+    assert speedup(5, 1.0, 0, 0.0) == 0.0  # a baseline that produced nothing
 
 
-def test_configs_run_interleaved_prompt_by_prompt_with_the_first_rotating():
-    """The machine drifts over a run; every prompt runs under every config before the next prompt."""
+def test_configs_run_interleaved_item_by_item_with_the_first_rotating():
+    """The machine drifts over a run; every item runs under every config before the next item."""
     calls = []
 
     class Recorder:
@@ -123,27 +138,172 @@ def test_configs_run_interleaved_prompt_by_prompt_with_the_first_rotating():
         def warm_up(self, prompt):
             calls.append(("warm-up", self.name))
 
-        def run(self, category, prompt):
-            calls.append((prompt, self.name))
-            return RequestResult(category, 1, 1.0, 0.0, [len(calls)], 0)
+        def run(self, item):
+            calls.append((item if isinstance(item, str) else item[1], self.name))
+            return RequestResult(item[0], 1, 1.0, 0.0, [len(calls)], 0) if isinstance(item, tuple) else {"n": 1}
 
-    items = [("x", "p0"), ("x", "p1"), ("y", "p2")]
+    items = [("x", "p0"), ("x", "p1"), ("y", "p2"), "probe"]
     results = run_benchmark([Recorder("a"), Recorder("b"), Recorder("c")], items, progress=False)
     assert calls[:3] == [("warm-up", "a"), ("warm-up", "b"), ("warm-up", "c")]
     assert calls[3:] == [("p0", "a"), ("p0", "b"), ("p0", "c"), ("p1", "b"), ("p1", "c"), ("p1", "a"),
-                         ("p2", "c"), ("p2", "a"), ("p2", "b")]
+                         ("p2", "c"), ("p2", "a"), ("p2", "b"), ("probe", "a"), ("probe", "b"), ("probe", "c")]
     assert [r.name for r in results] == ["a", "b", "c"]
     assert [[q.category for q in r.requests] for r in results] == [["x", "x", "y"]] * 3
+    assert [r.measures for r in results] == [[{"n": 1}]] * 3
 
 
-def test_spec_bench_mt_bench_prompts_cover_its_subcategories(tmp_path, monkeypatch, prompts):
+def test_each_config_runs_in_a_process_of_its_own(tiny_qwen, traffic):
+    """Plain and its control, each built and run in its own worker process."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    items = load_prompts(str(traffic), Tokenizer(tiny_qwen), per_category=1)[:1] + [BuildInfo()]
+    with lineup(config_recipes(LLMRecipe(str(tiny_qwen), max_model_len=256), [], params)) as contestants:
+        pids = [c.pid for c in contestants]
+        results = run_benchmark(contestants, items, progress=False)
+        processes = [c.worker.process for c in contestants]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert [r.measures[0]["pid"] for r in results] == pids  # each computed where it was built
+    assert [r.name for r in results] == ["plain", CONTROL]
+    assert all(r.requests[0].token_ids == results[0].requests[0].token_ids for r in results)
+    assert not any(process.is_alive() for process in processes)
+
+
+def test_a_worker_error_reaches_the_parent(tmp_path):
+    recipe = config_recipes(LLMRecipe(str(tmp_path / "missing")), [], SamplingParams())[:1]
+    with pytest.raises(Exception, match="missing"):
+        with lineup(recipe):
+            pass
+
+
+def test_peers_run_on_the_same_gguf_or_show_as_absent(tiny_qwen, tiny_qwen_gguf, traffic):
+    """transformers on the tiny GGUF: plain, assistant and prompt lookup agree with HF's own plain
+    decoding; a peer not asked for, or unable to run, is a "not run" row."""
+    assert peer_recipes((), str(tiny_qwen_gguf), None, 8) == ([], {"hf (transformers)": "--peers hf runs it"})
+    assert peer_recipes(("hf",), str(tiny_qwen), None, 8)[1] == {"hf (transformers)": "it needs a GGUF model"}
+    pytest.importorskip("transformers")
+    peers, absent = peer_recipes(("hf",), str(tiny_qwen_gguf), str(tiny_qwen_gguf), 8)
+    assert absent == {}
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    items = load_prompts(str(traffic), Tokenizer(tiny_qwen), per_category=5)
+    ours = config_recipes(LLMRecipe(str(tiny_qwen), max_model_len=256), [], params)
+    with lineup(ours + peers, "in-process") as contestants:
+        summary = summarize(run_benchmark(contestants, items, progress=False))
+    assert list(summary) == ["plain", CONTROL, "hf plain", "hf prompt lookup", "hf assistant"]
+    for name in ("hf plain", "hf prompt lookup", "hf assistant"):
+        assert summary[name]["all"]["equal_to_plain"] == 3, name
+        assert summary[name]["all"]["tau"] is None and summary[name]["all"]["tokens_per_s"] > 0
+        assert summary[name]["all"]["acceptance_rate"] is None
+    assert "| hf assistant |" in speedup_tables(summary)
+    assert "| hf (transformers) | not run (it needs a GGUF model) |" in speedup_tables(
+        summary, {"hf (transformers)": "it needs a GGUF model"})
+
+
+def test_adaptive_suite_sets_adaptive_against_fixed_k(settings, fast_profiles):
+    report = run_suite("adaptive", replace(settings, configs=("ngram", "ngram:k=2")))
+    assert list(report.data["summary"]) == ["plain", "ngram", "ngram:k=2", CONTROL]
+    assert re.search(r"\| ngram \| ngram:k=2 \| [0-9.]+x / [0-9.]+x \|", report.markdown)
+    assert control_ratio(report.markdown) > 0
+
+
+def test_concurrency_suite_runs_closed_loops_per_level(settings):
+    report = run_suite("concurrency", replace(settings, configs=("ngram:k=2",), levels=(1, 2), requests=3))
+    points = report.data["points"]
+    assert list(points) == ["plain", "ngram:k=2", CONTROL] and all(list(p) == [1, 2] for p in points.values())
+    for name, by_level in points.items():
+        for level, point in by_level.items():
+            assert point["equal_to_plain"] == 3 and point["tokens"] > 0, (name, level)
+    assert points["plain"][2]["speedup"] == 1.0
+    assert "| ngram:k=2 | 2 |" in report.markdown and control_ratio(report.markdown) > 0
+    assert report.plots["throughput and p95 latency vs concurrency"].stat().st_size > 1000
+
+
+def test_server_load_suite_drives_real_servers(settings):
+    pytest.importorskip("openai")
+    report = run_suite("server-load", replace(settings, configs=("ngram:k=2",), levels=(2,), requests=3,
+                                              serve_arguments=speculative_arguments))
+    points = report.data["points"]
+    assert list(points) == ["plain", "ngram:k=2", CONTROL]
+    for point in points.values():
+        assert point[2]["finished"] == 3 and not point[2]["errors"] and point[2]["incomplete"] == 0
+        assert point[2]["equal_to_plain"] == 3 and point[2]["tokens"] > 0
+    assert f"| {CONTROL} | 2 |" in report.markdown and control_ratio(report.markdown) > 0
+    assert (settings.output / "server-1.log").exists()
+
+
+def test_server_flags_read_back_as_the_config():
+    from draftwise.cli import build_parser
+    from draftwise.cli.speculative_flags import speculative_from_args
+
+    specs = [parse_config("ngram:k=2", {"ngram": {"prompt_lookup_max": 3}}),
+             {**parse_config("draft:k<=4", {"draft": {"model": "m", "draft_vocab_size": None}}),
+              "draft_probability": 0.5}]
+    for spec in specs:
+        args = build_parser().parse_args(["serve", *speculative_arguments(spec)])
+        read = speculative_from_args(args)
+        assert {name: read.get(name, 1.0) for name in spec} == spec
+    assert speculative_arguments(None) == []
+
+
+def test_plain_and_quantization_suites_measure_formats(settings, monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))  # the tiny model's packed weights
+    plain = run_suite("plain", replace(settings, formats=("none", "int8:pytorch"), per_category=1))
+    assert list(plain.data["summary"]) == ["none", "int8:pytorch", "none (control)"]
+    assert re.search(r"\| int8:pytorch \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \|", plain.markdown)
+    assert re.search(r"\| none \| [0-9.]+ \| 1\.00 \| [0-9.]+ \|", plain.markdown)  # forward over n=1 is 1.00
+    assert control_ratio(plain.markdown) > 0
+    quality = run_suite("quantization", replace(settings, formats=("none", "int8:pytorch"), per_category=1,
+                                                eval_tokens=48))
+    measures = quality.data["measures"]
+    assert measures["none"][2]["top1_agreement"] == measures["none (control)"][2]["top1_agreement"] == 1.0
+    assert measures["none"][2]["perplexity"] == pytest.approx(measures["none (control)"][2]["perplexity"])
+    assert 0 < measures["int8:pytorch"][2]["top1_agreement"] <= 1 and measures["none"][2]["tokens"] == 47
+    assert "| int8:pytorch |" in quality.markdown and "int8: " in quality.markdown
+    assert control_ratio(quality.markdown) == pytest.approx(
+        quality.data["summary"]["none (control)"]["all"]["speedup"], abs=0.006)
+    with pytest.raises(InvalidParameterError, match="FORMAT"):
+        run_suite("plain", replace(settings, formats=("int3",)))
+
+
+def test_drafting_options_suite(settings, tiny_qwen, fast_profiles):
+    report = run_suite("drafting-options", replace(settings, configs=("draft",), per_category=1,
+                                                   options={"draft": {"model": str(tiny_qwen),
+                                                                      "draft_vocab_size": 64}}))
+    greedy = report.data["greedy"]["summary"]
+    assert list(greedy) == ["plain", "draft:k<=4 full head", "draft:k<=4 head 64", "draft:k=4 no stop",
+                            "draft:k=4 stop below 0.5", CONTROL]
+    assert greedy["draft:k<=4 full head"]["all"]["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert report.data["greedy"]["builds"]["draft:k<=4 head 64"]["draft_seconds"][1] > 0
+    sampled = report.data["randomized"]["summary"]
+    assert list(sampled) == ["plain", "draft:k=2 a=1.0", "draft:k=2 a=0.7", "draft:k=2 a=0.5", CONTROL]
+    assert sampled["plain"]["all"]["equal_to_plain"] is None  # sampled: outputs are not compared
+    assert report.markdown.count("Control: ") == 2 and "| draft:k=2 a=0.5 |" in report.markdown
+
+
+def test_cli_writes_the_suite_and_a_benchmarks_section_headed_by_its_command(tiny_qwen, traffic, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    benchmarks = tmp_path / "BENCHMARKS.md"
+    benchmarks.write_text("# Benchmarks\n\nolder text\n")
+    argv = ["bench", "--suite", "plain", "--model", str(tiny_qwen), "--dataset", str(traffic), "--formats", "none",
+            "--per-category", "1", "--max-tokens", "4", "--max-model-len", "512", "--in-process",
+            "--output", str(tmp_path / "out"), "--write-benchmarks", str(benchmarks), "--section", "tiny"]
+    assert main(argv) == 0
+    assert main(argv) == 0  # the section is replaced, not appended twice
+    text = benchmarks.read_text()
+    assert text.startswith("# Benchmarks\n\nolder text\n") and text.count("<!-- tiny:start -->") == 1
+    assert f"<!-- tiny:start -->\nCommand: `draftwise bench --suite plain --model {tiny_qwen} " in text
+    assert "| none (control) |" in text
+    saved = json.loads((tmp_path / "out" / "plain.json").read_text())
+    assert set(saved["summary"]) == {"none", "none (control)"} and saved["settings"]["formats"] == ["none"]
+    assert (tmp_path / "out" / "plain.md").read_text().startswith(f"{tiny_qwen}: plain decoding")
+    assert math.isfinite(saved["summary"]["none (control)"]["all"]["speedup"])
+
+
+def test_spec_bench_mt_bench_prompts_cover_its_subcategories(tmp_path, monkeypatch, tiny_qwen):
     """The file holds MT-bench in blocks of ten per subcategory; 3 MT-bench prompts must not be 3 writing ones."""
-    make_llm, _ = prompts
     rows = [{"category": c, "turns": [f"{c} {i}"]} for c in ("writing", "roleplay", "reasoning") for i in range(3)]
     rows += [{"category": "qa", "turns": [f"qa {i}"]} for i in range(3)]
     (tmp_path / "spec_bench_question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     monkeypatch.setenv("DRAFTWISE_DATA", str(tmp_path))
-    chosen = load_prompts("spec-bench", make_llm().tokenizer, per_category=4)
+    chosen = load_prompts("spec-bench", Tokenizer(tiny_qwen), per_category=4)
     assert [c for c, _ in chosen] == ["mt_bench"] * 4 + ["qa"] * 3
     mt_bench = [prompt for category, prompt in chosen if category == "mt_bench"]
     for expected, prompt in zip(["writing 0", "roleplay 0", "reasoning 0", "writing 1"], mt_bench):

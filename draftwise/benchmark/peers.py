@@ -1,17 +1,21 @@
-"""Hugging Face transformers as a peer, on the same GGUF weights and prompts (`draftwise bench --peers hf`).
+"""Peers: other engines measured in the same run as draftwise, on the same weights and prompts
+(`draftwise bench --peers hf`). A peer that is not run shows in the table as "not run", with why; a
+peer's figure is never quoted from elsewhere.
 
-transformers loads a GGUF file by dequantizing it (here to float32, its only CPU path worth timing),
-so the peer computes with the same weights draftwise dequantizes for its fp32 reference; draftwise's
-default int4 path rounds differently, so a peer's outputs are compared with the peer's own plain
-decoding, not with draftwise's. Configs, each greedy at batch 1 (HF refuses assisted decoding above 1):
+Hugging Face transformers (`hf`): transformers loads a GGUF file by dequantizing it (here to
+float32, its only CPU path worth timing), so the peer computes with the same weights draftwise
+dequantizes for its fp32 reference; draftwise's default int4 path rounds differently, so a peer's
+outputs are compared with the peer's own plain decoding, not with draftwise's. Configs, each greedy
+at batch 1 (HF refuses assisted decoding above 1):
   hf plain            `generate()`
   hf assistant        `generate(assistant_model=draft)` (the draft model's GGUF; HF picks k itself)
   hf prompt lookup    `generate(prompt_lookup_num_tokens=10)`
-transformers is an optional dependency (the `test` extra installs it).
+transformers is an optional dependency (the `test` and `bench` extras install it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,18 +24,44 @@ from draftwise.benchmark.runner import RequestResult
 from draftwise.errors import InvalidParameterError
 
 PROMPT_LOOKUP_TOKENS = 10
+PEERS = {"hf": "hf (transformers)"}  # --peers name -> its row in a table when not run
+
+
+def peer_recipes(requested: tuple[str, ...], target: str, draft: str | None,
+                 max_tokens: int) -> tuple[list["HFRecipe"], dict[str, str]]:
+    """The recipes of the requested peers that can run here, and the absent peers (row -> why)."""
+    recipes, absent = [], {}
+    for peer, row in PEERS.items():
+        why = f"--peers {peer} runs it" if peer not in requested else hf_unavailable(target)
+        if why is None:
+            recipes.append(HFRecipe(target, draft, max_tokens))
+        else:
+            absent[row] = why
+    return recipes, absent
+
+
+def hf_unavailable(model: str) -> str | None:
+    """Why transformers cannot run on `model` here, or None."""
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    try:
+        gguf_path(model)
+    except InvalidParameterError:
+        return "it needs a GGUF model"
+    return None
 
 
 def gguf_path(model: str) -> Path:
+    """The GGUF file of `model`: a .gguf path, or a known model's file (fetched when draftwise loads it)."""
+    from draftwise.loading.registry import KNOWN_MODELS
     from draftwise.loading.resolve import known_model_file
 
     path = Path(model)
     if path.suffix == ".gguf" and path.is_file():
         return path
-    try:
+    if model in KNOWN_MODELS:
         return known_model_file(model)
-    except Exception:
-        raise InvalidParameterError(f"--peers hf needs a GGUF model (a known name or a .gguf file), got {model!r}") from None
+    raise InvalidParameterError(f"--peers hf needs a GGUF model (a known name or a .gguf file), got {model!r}")
 
 
 def load_hf(model: str):
@@ -61,7 +91,8 @@ class HFConfig:
     def warm_up(self, prompt: str) -> None:
         self._generate(prompt, 4)
 
-    def run(self, category: str, prompt: str) -> RequestResult:
+    def run(self, item: tuple[str, str]) -> RequestResult:
+        category, prompt = item  # peers run prompts, no probes
         started = time.perf_counter()
         new = self._generate(prompt, self.max_tokens)
         seconds = time.perf_counter() - started  # tokenizing included, as draftwise's seconds include it
@@ -74,6 +105,17 @@ class HFConfig:
         with torch.inference_mode():
             output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **self.extra)
         return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@dataclass(frozen=True, slots=True)
+class HFRecipe:
+    """The hf configs, built together (they share one loaded target, in one worker process)."""
+    target: str
+    draft: str | None
+    max_tokens: int
+
+    def build(self) -> list[HFConfig]:
+        return hf_configs(self.target, self.draft, self.max_tokens)
 
 
 def hf_configs(target: str, draft: str | None, max_tokens: int) -> list[HFConfig]:

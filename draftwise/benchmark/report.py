@@ -1,113 +1,112 @@
-"""The benchmark's outputs: a Markdown report, a JSON file and three PNG plots."""
+"""What a suite writes: Markdown tables, `<suite>.md` and `<suite>.json` in the output folder (its plots
+beside them), and on request a section of BENCHMARKS.md headed by the command that produced it."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import re
-from dataclasses import asdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
-from draftwise.benchmark.runner import ConfigResult
+from draftwise.benchmark.configs import CONTROL, PLAIN
 
 
-def markdown(summary: dict, header: str = "") -> str:
-    configs = list(summary)
-    categories = list(summary[configs[0]])
-    lines = [header, ""] if header else []
-    lines += ["Speedup over draftwise's plain decoding (tokens/s incl. prefill); outputs = plain: equal to plain "
-              "decoding's over all requests (a peer's: to its own plain decoding):", "",
-              "| config | " + " | ".join(categories) + " | outputs = plain |",
-              "|---" * (len(categories) + 2) + "|"]
-    for name in configs:
-        row = summary[name]
-        lines.append(f"| {name} | " + " | ".join(f"{row[c]['speedup']:.2f}x" for c in categories)
-                     + f" | {row['all']['equal_to_plain']}/{row['all']['requests']} |")
-    lines += ["", "Tau (tokens after the first per target decoding step; plain = 1.00):", "",
-              "| config | " + " | ".join(categories) + " |", "|---" * (len(categories) + 1) + "|"]
-    for name in configs:
-        lines.append(f"| {name} | " + " | ".join(_number(summary[name][c]["tau"]) for c in categories) + " |")
-    lines += ["", "| config | tokens/s | acceptance | acceptance by position | TTFT p50 s | latency p50 / p95 s |",
-              "|---|---|---|---|---|---|"]
-    for name in configs:
-        a = summary[name]["all"]
-        positions = " ".join(f"{p:.2f}" for p in a["acceptance_by_position"]) or "-"
-        lines.append(f"| {name} | {a['tokens_per_s']:.2f} | {_percent(a['acceptance_rate'])} | {positions} | "
-                     f"{_number(a['ttft_p50'])} | {a['latency_p50']:.1f} / {a['latency_p95']:.1f} |")
-    return "\n".join(lines)
+@dataclass(slots=True)
+class SuiteReport:
+    suite: str
+    markdown: str  # the tables, without the plots
+    data: dict  # everything measured, for the JSON file
+    plots: dict[str, Path] = field(default_factory=dict)  # caption -> PNG written by the suite
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
-def _percent(value: float | None) -> str:
+def number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def write_outputs(results: list[ConfigResult], summary: dict, folder: Path, header: str = "") -> dict[str, Path]:
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def control_line(control_ratio: float, baseline: str = PLAIN, control: str = CONTROL, where: str = "") -> str:
+    """The line above every table: the plain-vs-plain control's ratio (`where`: which of its ratios)."""
+    return (f"Control: `{control}` is `{baseline}` again, built and run exactly like it, and measured "
+            f"**{control_ratio:.2f}x** of it{where}: differences of that size are this run's noise.")
+
+
+def speedup_tables(summary: dict, absent: dict[str, str] | None = None) -> str:
+    """The per-prompt suites' tables: speedup and outputs = plain per category, tau per category, and
+    the details over all prompts; `absent`: configs not run (a peer) -> why, shown as such."""
+    configs = list(summary)
+    categories = list(summary[configs[0]])
+    rows = [[name, *(ratio(summary[name][c]["speedup"]) for c in categories), _equal(summary[name]["all"])]
+            for name in configs]
+    rows += [[name, f"not run ({why})", *["-"] * len(categories)] for name, why in (absent or {}).items()]
+    lines = ["Speedup over plain decoding (tokens/s, prefill included; `summary.speedup`); outputs = plain: "
+             "equal to plain decoding's (a peer's: to its own plain decoding):", "",
+             table(["config", *categories, "outputs = plain"], rows), "",
+             "Tau (tokens after the first per target decoding step; plain = 1.00):", "",
+             table(["config", *categories], [[name, *(number(summary[name][c]["tau"]) for c in categories)]
+                                             for name in configs]), ""]
+    details = []
+    for name in configs:
+        a = summary[name]["all"]
+        positions = " ".join(f"{p:.2f}" for p in a["acceptance_by_position"]) or "-"
+        details.append([name, number(a["tokens_per_s"]), percent(a["acceptance_rate"]), positions,
+                        percent(a["draft_share"]), number(a["ttft_p50"]),
+                        f"{a['latency_p50']:.1f} / {a['latency_p95']:.1f}"])
+    lines.append(table(["config", "tokens/s", "acceptance", "acceptance by position", "time drafting",
+                        "TTFT p50 s", "latency p50 / p95 s"], details))
+    return "\n".join(lines)
+
+
+def _equal(figures: dict) -> str:
+    return "-" if figures["equal_to_plain"] is None else f"{figures['equal_to_plain']}/{figures['requests']}"
+
+
+def write_outputs(report: SuiteReport, folder: Path) -> dict[str, Path]:
+    """`<suite>.md` (the tables and the plots) and `<suite>.json` in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": folder / "bench.md", "json": folder / "bench.json",
-             "speedup_by_category": folder / "speedup_by_category.png",
-             "acceptance_by_position": folder / "acceptance_by_position.png",
-             "speedup_vs_k": folder / "speedup_vs_k.png"}
-    paths["markdown"].write_text(markdown(summary, header) + "\n")
-    paths["json"].write_text(json.dumps({"summary": summary, "requests": {r.name: [asdict(q) for q in r.requests]
-                                                                          for r in results}}))
-    _plots(summary, paths)
-    return paths
+    paths = {"markdown": folder / f"{report.suite}.md", "json": folder / f"{report.suite}.json"}
+    paths["markdown"].write_text(report.markdown + _images(report.plots, folder) + "\n")
+    paths["json"].write_text(json.dumps(report.data, indent=1, default=str))
+    return paths | {caption: path for caption, path in report.plots.items()}
 
 
-def _plots(summary: dict, paths: dict[str, Path]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = [c for c in summary if c != "plain"]
-    categories = [c for c in summary["plain"] if c != "all"] + ["all"]
-
-    figure, axis = plt.subplots(figsize=(max(6, 1.2 * len(categories)), 4))
-    width = 0.8 / max(1, len(configs))
-    for i, name in enumerate(configs):
-        axis.bar([j + i * width for j in range(len(categories))], [summary[name][c]["speedup"] for c in categories],
-                 width, label=name)
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories, rotation=30, ha="right")
-    axis.set_ylabel("speedup over plain")
-    axis.legend(fontsize=7, ncol=min(len(configs), 6), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    _save(figure, paths["speedup_by_category"])
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for name in configs:
-        rates = summary[name]["all"]["acceptance_by_position"]
-        if rates:
-            axis.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
-    axis.set_xlabel("draft position")
-    axis.set_ylabel("acceptance rate")
-    axis.set_ylim(0, 1.05)
-    axis.legend(fontsize=7)
-    _save(figure, paths["acceptance_by_position"])
-
-    figure, axis = plt.subplots(figsize=(6, 4))
-    by_method: dict[str, list[tuple[int, float]]] = {}
-    for name in configs:
-        match = re.match(r"^(\w+):k=(\d+)$", name)
-        if match:
-            by_method.setdefault(match.group(1), []).append((int(match.group(2)), summary[name]["all"]["speedup"]))
-    for method, points in by_method.items():
-        points.sort()
-        axis.plot([k for k, _ in points], [s for _, s in points], marker="o", label=method)
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_xlabel("k (fixed)")
-    axis.set_ylabel("speedup over plain")
-    if by_method:
-        axis.legend()
-    _save(figure, paths["speedup_vs_k"])
+def write_benchmarks_section(report: SuiteReport, path: Path, section: str, command: str) -> None:
+    """Append to BENCHMARKS.md (or replace there) the section `section`: the exact command, when and
+    where it ran, the tables and the plots."""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    body = (f"<!-- {section}:start -->\nCommand: `{command}`  \nMeasured {stamp} on {machine()}.\n\n"
+            f"{report.markdown.strip()}{_images(report.plots, path.parent)}\n<!-- {section}:end -->")
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"<!-- {re.escape(section)}:start -->.*?<!-- {re.escape(section)}:end -->", re.S)
+    text = pattern.sub(lambda _: body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body + "\n"
+    path.write_text(text)
 
 
-def _save(figure, path: Path) -> None:
-    import matplotlib.pyplot as plt
+def _images(plots: dict[str, Path], folder: Path) -> str:
+    return "".join(f"\n\n![{caption}]({os.path.relpath(plot, folder)})" for caption, plot in plots.items())
 
-    figure.tight_layout()
-    figure.savefig(path, dpi=100, bbox_inches="tight")  # a legend above the axes included
-    plt.close(figure)
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"

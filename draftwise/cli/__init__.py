@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `bench --write-benchmarks` quotes the command
     try:
         args.run(args)
     except DraftwiseError as error:

@@ -1,67 +1,101 @@
-"""`draftwise bench`: plain decoding against speculative configs, interleaved, on Spec-Bench, HumanEval or JSONL."""
+"""`draftwise bench --suite NAME`: the benchmark suites (`draftwise.benchmark.suites`), one runner for all."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from draftwise.cli.speculative_flags import add_option_arguments, drafter_options_from_args
+from draftwise.cli.speculative_flags import add_option_arguments, drafter_options_from_args, speculative_arguments
 from draftwise.errors import InvalidParameterError
-from draftwise.loading.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from draftwise.loading.registry import DEFAULT_TARGET
 
 
 def add_parser(commands) -> None:
-    from draftwise.benchmark.runner import default_configs
+    from draftwise.benchmark.suites import SUITES
 
-    bench = commands.add_parser("bench", help="plain vs speculative configs on Spec-Bench, HumanEval or your JSONL")
+    bench = commands.add_parser("bench", help="benchmark suites: plain vs speculative configs, formats, load ...",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="suites:\n" + "\n".join(f"  {name:17} {summary}"
+                                                                    for name, (_, summary) in SUITES.items()))
+    bench.add_argument("--suite", choices=list(SUITES), default="speculative")
     bench.add_argument("--model", default=DEFAULT_TARGET)
     bench.add_argument("--dataset", action="append", default=None,
-                       help="spec-bench, humaneval or a JSONL path (repeatable; default: spec-bench and humaneval)")
-    bench.add_argument("--configs", default=",".join(default_configs()),
-                       help="comma-separated: METHOD (adaptive), METHOD:k=K (fixed) or METHOD:k<=K; plain always runs")
-    bench.add_argument("--per-category", type=int, default=10, help="prompts per category (HumanEval: in all)")
-    bench.add_argument("--max-tokens", type=int, default=128)
+                       help="spec-bench, humaneval or a JSONL path (repeatable; default: the suite's)")
+    bench.add_argument("--configs", default=None,
+                       help="comma-separated: METHOD (adaptive), METHOD:k=K (fixed) or METHOD:k<=K; plain and its "
+                            "control always run (default: the drafters benchmarked by default)")
+    bench.add_argument("--per-category", type=int, default=None, help="prompts per category (HumanEval: in all)")
+    bench.add_argument("--max-tokens", type=int, default=None)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--all-turns", action="store_true", help="Spec-Bench: every turn, not just the first")
+    bench.add_argument("--max-model-len", type=int, default=4096)
     bench.add_argument("--peers", choices=["hf"], default=None,
-                       help="also run Hugging Face transformers on the same GGUF weights (plain, assistant, prompt lookup)")
-    bench.add_argument("--output", default="bench-results", help="folder for bench.md, bench.json and plots")
+                       help="speculative: also run Hugging Face transformers on the same GGUF weights")
+    bench.add_argument("--levels", default=None,
+                       help="concurrency: requests in flight (default 1,2,4,8,16); server-load: clients (1,4,16)")
+    bench.add_argument("--requests", type=int, default=16, help="concurrency, server-load: requests per level")
+    bench.add_argument("--time-limit", type=float, default=900, help="server-load: seconds per level and config")
+    bench.add_argument("--fixed-k", type=int, default=3, help="adaptive: the fixed k to compare with")
+    bench.add_argument("--formats", default=None,
+                       help="plain, quantization: FORMAT or FORMAT:pytorch, comma-separated, the first the baseline")
+    bench.add_argument("--eval-tokens", type=int, default=1536, help="quantization: tokens of the quality sample")
+    bench.add_argument("--in-process", action="store_true",
+                       help="build every config in this process (quicker start; LLMs built one after another "
+                            "in one process run a few percent apart)")
+    bench.add_argument("--output", default="bench-results", help="folder for SUITE.md, SUITE.json and plots")
+    bench.add_argument("--write-benchmarks", nargs="?", const="BENCHMARKS.md", default=None, metavar="PATH",
+                       help="also write the tables as a section of PATH (default BENCHMARKS.md), headed by "
+                            "this command")
+    bench.add_argument("--section", default=None,
+                       help="that section's name: replaced if present, else appended (default: suite-SUITE)")
     add_option_arguments(bench)
     bench.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
-    from draftwise.llm import LLM
-    from draftwise.sampling.params import SamplingParams
-    from draftwise.benchmark.datasets import load_prompts
-    from draftwise.benchmark.report import markdown, write_outputs
-    from draftwise.benchmark.runner import config_method, draftwise_configs, run_benchmark, summarize
+    from draftwise.benchmark.configs import config_method
+    from draftwise.benchmark.report import write_benchmarks_section, write_outputs
+    from draftwise.benchmark.suites import BenchSettings, run_suite
 
-    configs = [c for c in args.configs.split(",") if c]
-    methods = list(dict.fromkeys(config_method(config) for config in configs if config != "plain"))  # typos fail here
-    options = drafter_options_from_args(args, methods)
-    if args.per_category < 1 or args.max_tokens < 1:
-        raise InvalidParameterError("--per-category and --max-tokens must be positive")
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    print(f"loading the target for plain and {len(configs)} configs" + (" and the hf peers" if args.peers else ""),
-          file=sys.stderr, flush=True)
-    contestants = draftwise_configs(lambda: LLM(args.model, max_num_seqs=1, progress=False), configs, params,
-                                    options)
-    tokenizer = contestants[0].llm.tokenizer
-    prompts = []
-    for dataset in args.dataset or ["spec-bench", "humaneval"]:
-        prompts += load_prompts(dataset, tokenizer, per_category=args.per_category, all_turns=args.all_turns,
-                                max_tokens=args.max_tokens, seed=args.seed)
-    if args.peers == "hf":
-        from draftwise.benchmark.peers import hf_configs
+    configs = tuple(c for c in args.configs.split(",") if c) if args.configs else None
+    methods = list(dict.fromkeys(config_method(c) for c in configs or () if c != "plain"))  # typos fail here
+    if not methods:
+        from draftwise.benchmark.configs import default_configs
 
-        contestants += hf_configs(args.model, getattr(args, "option_model", None) or DEFAULT_DRAFT, args.max_tokens)
-    results = run_benchmark(contestants, prompts)
-    summary = summarize(results)
-    header = (f"{args.model}: {len(prompts)} prompts, up to {args.max_tokens} tokens, temperature "
-              f"{args.temperature}, seed {args.seed}, batch 1, configs interleaved prompt by prompt.")
-    paths = write_outputs(results, summary, Path(args.output), header)
-    print(markdown(summary, header))
+        methods = default_configs()
+    if args.peers and args.suite != "speculative":
+        raise InvalidParameterError("--peers runs beside the speculative suite only")
+    for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")
+    settings = BenchSettings(
+        output=Path(args.output), model=args.model, datasets=tuple(args.dataset) if args.dataset else None,
+        configs=configs, options=drafter_options_from_args(args, methods), per_category=args.per_category,
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, all_turns=args.all_turns,
+        peers=(args.peers,) if args.peers else (), isolation="in-process" if args.in_process else "process",
+        max_model_len=args.max_model_len, levels=_levels(args.levels), requests=args.requests,
+        fixed_k=args.fixed_k, formats=tuple(f for f in args.formats.split(",") if f) if args.formats else None,
+        eval_tokens=args.eval_tokens, time_limit=args.time_limit, serve_arguments=speculative_arguments)
+    report = run_suite(args.suite, settings)
+    paths = write_outputs(report, settings.output)
+    print(report.markdown)
+    if args.write_benchmarks:
+        command = "draftwise " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
+        write_benchmarks_section(report, Path(args.write_benchmarks), args.section or f"suite-{args.suite}", command)
+        paths["benchmarks"] = Path(args.write_benchmarks)
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+
+
+def _levels(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        levels = tuple(int(c) for c in text.split(",") if c)
+    except ValueError:
+        raise InvalidParameterError(f"--levels must be comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise InvalidParameterError(f"--levels must be positive, got {text!r}")
+    return levels

@@ -79,6 +79,26 @@ def speculative_from_args(args: argparse.Namespace) -> dict | None:
             **options_for(args.method, given, strict=True)}
 
 
+def speculative_arguments(spec: dict | None) -> list[str]:
+    """The flags that `speculative_from_args` reads back as `spec` (a flat speculative dict; None: no
+    flags, plain decoding). An option set to None is written as 0 where 0 means None, and left out
+    (its default) otherwise."""
+    if spec is None:
+        return []
+    rest = dict(spec)
+    argv = ["--method", rest.pop("method"), "-k", str(rest.pop("num_speculative_tokens", 5)),
+            "--draft-probability", str(rest.pop("draft_probability", 1.0))]
+    if not rest.pop("adaptive", True):
+        argv.append("--fixed-k")
+    flags = {flag.name: flag for flag in option_flags()}
+    for name, value in rest.items():
+        if name not in flags:
+            raise InvalidParameterError(f"no command-line flag for speculative option {name!r}")
+        if value is not None or flags[name].zero_is_none:
+            argv += [flags[name].flag, str(0 if value is None else value)]
+    return argv
+
+
 def drafter_options_from_args(args: argparse.Namespace, methods: list[str]) -> dict[str, dict]:
     """For commands over several drafters (bench, plan): each given option goes to every listed
     drafter that takes it; an option none of them takes is an error."""

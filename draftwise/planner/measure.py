@@ -1,5 +1,5 @@
-"""What the planner measures with the real engine: output lengths, acceptance per segment, and
-(for validation) throughput and latency of a closed-loop run.
+"""What the planner measures with the real engine: output lengths and acceptance per segment
+(validation runs `draftwise.llm.closed_loop`).
 
 Acceptance is measured with a fixed k (every step drafts k tokens, so every position is seen) and
 turned into conditional rates: a_0 = accepted[0] / drafted[0], a_i = accepted[i] /
@@ -10,15 +10,11 @@ drafter rarely reaches keep the last well-measured rate.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 from draftwise.llm import LLM
 from draftwise.planner.simulate import Acceptance, Request
 from draftwise.traffic import TrafficItem
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.metrics import SpecMetrics
-from draftwise.stats import percentile
 
 MIN_OBSERVATIONS = 8  # a position seen fewer times keeps the previous position's rate
 
@@ -62,40 +58,3 @@ def acceptance_from(metrics: SpecMetrics) -> Acceptance:
         previous_accepted = accepted
     steps = metrics.num_drafts + metrics.num_plain_steps
     return Acceptance(tuple(rates), metrics.num_drafts / steps if steps else 0.0)
-
-
-def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurrency: int,
-                    speculative: dict | None = None, segments: list[str | None] | None = None) -> dict:
-    """The real engine, `concurrency` requests in flight until every prompt has run once
-    (`segments`: each request's traffic label)."""
-    queue = list(enumerate(prompts))
-    in_flight: dict[str, tuple[int, float]] = {}
-    latencies, ttfts, outputs, tokens = [], [], [None] * len(prompts), 0
-    first_seen: set[str] = set()
-    started = time.perf_counter()
-    while queue or in_flight:
-        while queue and len(in_flight) < concurrency:
-            index, prompt = queue.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens[index])
-            request_id = llm.add_request(prompt, params, speculative=speculative,
-                                         segment=segments[index] if segments else None)
-            in_flight[request_id] = (index, time.perf_counter())
-        for output in llm.step():
-            index, arrival = in_flight[output.request_id]
-            if output.request_id not in first_seen and output.token_ids:
-                first_seen.add(output.request_id)
-                ttfts.append(time.perf_counter() - arrival)
-            if output.finished:
-                in_flight.pop(output.request_id)
-                first_seen.discard(output.request_id)
-                latencies.append(time.perf_counter() - arrival)
-                outputs[index] = output.token_ids
-                tokens += len(output.token_ids)
-    seconds = time.perf_counter() - started
-    latencies.sort()
-    ttfts.sort()
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "p50": statistics.median(latencies), "p95": percentile(latencies, 0.95),
-            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": percentile(ttfts, 0.95),
-            "outputs": outputs}
-

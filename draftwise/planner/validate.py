@@ -14,7 +14,7 @@ def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptio
     of the start). Each run starts from a freshly installed drafter, as a simulation does, and
     passes every request's segment. Rows carry the error on throughput and on the speedup over
     plain at the same level (the ratio cancels the drift that both runs share)."""
-    from draftwise.planner.measure import run_closed_loop
+    from draftwise.llm.closed_loop import run_closed_loop
 
     prompts = [item.prompt for item in items]
     segments = [item.segment or None for item in items]

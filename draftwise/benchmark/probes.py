@@ -1,0 +1,94 @@
+"""Probes: measurements run inside a draftwise config (`configs.DraftwiseConfig`), interleaved like
+prompts. Each is a picklable dataclass whose `measure(config)` returns a dict."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoop:
+    """`concurrency` requests in flight through continuous batching until every prompt has run
+    (`draftwise.llm.closed_loop`), greedy, each request labelled with its segment."""
+    concurrency: int
+    prompts: tuple[str, ...]
+    segments: tuple[str, ...]
+    max_tokens: int
+
+    def measure(self, config) -> dict:
+        from draftwise.llm.closed_loop import run_closed_loop
+
+        return run_closed_loop(config.llm, list(self.prompts), [self.max_tokens] * len(self.prompts),
+                               self.concurrency, segments=list(self.segments))
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCost:
+    """Median seconds of one forward pass over n new tokens appended to a `context`-token row (warm
+    cache, rolled back after each pass): what verifying k drafted tokens costs, n = k + 1."""
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    context: int = 256
+    repeats: int = 5
+
+    def measure(self, config) -> dict:
+        runner = config.llm.runner
+        vocab = config.llm.model.config.vocab_size
+        row = runner.allocate()
+        try:
+            runner.forward([row], [[(100 + i) % vocab for i in range(self.context)]], [1])
+            seconds = {}
+            for n in self.sizes:
+                samples = []
+                for attempt in range(self.repeats + 1):
+                    started = time.perf_counter()
+                    runner.forward([row], [[7] * n], [n])
+                    elapsed = time.perf_counter() - started
+                    runner.truncate(row, self.context)
+                    if attempt:  # the first is a warm-up
+                        samples.append(elapsed)
+                seconds[n] = statistics.median(samples)
+        finally:
+            runner.free(row)
+        return {"seconds": seconds}
+
+
+@dataclass(frozen=True, slots=True)
+class TeacherForced:
+    """Quality on a fixed text: the first `num_tokens` of `text`, teacher-forced in windows of
+    `window` tokens: perplexity, and each position's top-1 token (to compare formats)."""
+    text: str
+    num_tokens: int = 1536
+    window: int = 512
+
+    def measure(self, config) -> dict:
+        import torch
+
+        ids = config.llm.tokenizer.encode(self.text)[:self.num_tokens]
+        model = config.llm.model
+        rows = []
+        with torch.inference_mode():
+            for start in range(0, len(ids) - 1, self.window):
+                window = ids[start:start + self.window + 1]
+                logits = model(torch.tensor([window[:-1]]), torch.arange(len(window) - 1)[None])[0]
+                rows.append(logits.float().log_softmax(-1))
+        logprobs = torch.cat(rows)
+        targets = torch.tensor(ids[1:])
+        nll = -logprobs[torch.arange(len(targets)), targets].mean().item()
+        return {"perplexity": math.exp(nll), "tokens": len(targets), "top1": logprobs.argmax(-1).tolist()}
+
+
+@dataclass(frozen=True, slots=True)
+class BuildInfo:
+    """How the config was built: load seconds, its weights, its process, its drafter's cost model."""
+    draft_sizes: tuple[int, ...] = (1, 3)
+
+    def measure(self, config) -> dict:
+        llm = config.llm
+        costs = llm.cost_model
+        return {"load_seconds": config.load_seconds, "pid": os.getpid(),
+                "weights": llm.model.quantization.mode, "layers": llm.model.quantization.summary(),
+                "draft_seconds": {k: costs.draft_seconds(k) for k in self.draft_sizes} if costs else None}

@@ -1,0 +1,64 @@
+"""The suites of `draftwise bench --suite NAME`, one module each; every one runs through the one runner
+(`draftwise.benchmark.runner`), with a plain-vs-plain control in each table and `summary.speedup`
+as its speedup. A suite is a function `run(settings) -> SuiteReport`; `settings` holds what the
+command line gave, each suite taking the fields it uses and its own defaults for those left None."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from draftwise.loading.registry import DEFAULT_TARGET
+
+# name -> (module, one line for --help)
+SUITES = {
+    "speculative": ("speculative", "plain vs drafter configs on Spec-Bench, HumanEval or JSONL (the default)"),
+    "plain": ("plain", "plain decoding speed per weight format and kernel path, and a forward's cost over n tokens"),
+    "adaptive": ("adaptive", "adaptive vs fixed k per drafter, per category"),
+    "concurrency": ("concurrency", "plain vs speculation under continuous batching, closed loop, per concurrency"),
+    "server-load": ("server_load", "`draftwise serve` per config, N concurrent streaming openai clients"),
+    "quantization": ("quantization", "weight formats (fp32, int8, int4, kernel paths): speed and quality"),
+    "drafting-options": ("drafting_options", "trimmed draft head, confidence stop, randomized drafting"),
+}
+
+
+@dataclass(slots=True)
+class BenchSettings:
+    """What `draftwise bench` was told; None: the suite's own default."""
+    output: Path = Path("bench-results")
+    model: str = DEFAULT_TARGET
+    datasets: tuple[str, ...] | None = None  # spec-bench, humaneval or JSONL paths
+    configs: tuple[str, ...] | None = None  # as `configs.parse_config` reads them (formats: `formats`)
+    options: dict[str, dict] = field(default_factory=dict)  # method -> its drafter options
+    per_category: int | None = None
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
+    all_turns: bool = False
+    peers: tuple[str, ...] = ()  # speculative: peers to run beside draftwise
+    isolation: str = "process"  # `runner.ISOLATIONS`
+    max_model_len: int = 4096
+    levels: tuple[int, ...] | None = None  # concurrency: requests in flight; server-load: clients
+    requests: int = 16  # concurrency, server-load: requests per level
+    fixed_k: int = 3  # adaptive: the fixed k each drafter's adaptive config is compared with
+    formats: tuple[str, ...] | None = None  # plain, quantization: FORMAT or FORMAT:pytorch
+    eval_tokens: int = 1536  # quantization: tokens of the quality sample
+    time_limit: float = 900.0  # server-load: seconds per level and config, at most
+    # server-load: the `draftwise serve` flags of a speculative dict (the CLI's, which owns the flags)
+    serve_arguments: Callable[[dict | None], list[str]] | None = None
+    progress: bool = True
+
+    def configs_or(self, default: list[str]) -> list[str]:
+        """The configs given (an empty list: plain and its control alone), else `default`."""
+        return list(self.configs) if self.configs is not None else default
+
+
+def run_suite(name: str, settings: BenchSettings):
+    """Run suite `name`; its `SuiteReport`, whose data records the settings too."""
+    module = importlib.import_module(f"draftwise.benchmark.suites.{SUITES[name][0]}")
+    report = module.run(settings)
+    report.data["settings"] = {f.name: getattr(settings, f.name) for f in fields(settings)
+                               if f.name != "serve_arguments"}
+    return report
