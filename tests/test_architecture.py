@@ -131,7 +131,7 @@ def test_a_drafter_registered_in_one_module_is_offered_everywhere(tiny_qwen, mon
     from dataclasses import dataclass
 
     from draftwise import LLM, SamplingParams
-    from draftwise.benchmark.runner import parse_config
+    from draftwise.benchmark.configs import parse_config
     from draftwise.cli import build_parser
     from draftwise.speculative import registry
     from draftwise.speculative.control.cost_model import CostModel
