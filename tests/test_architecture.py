@@ -16,8 +16,7 @@ ROOT = Path(draftwise.__file__).parent
 LAYERS = [
     {"errors", "paths", "stats", "plots"},
     {"native"},
-    {"chat_template", "chat_isolation"},
-    {"sampling", "tokenizer", "traffic"},
+    {"sampling", "text", "traffic"},
     {"model"},
     {"quant"},
     {"loading"},

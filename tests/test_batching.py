@@ -11,7 +11,7 @@ from draftwise.speculative.drafter import Drafter
 from draftwise.errors import PromptTooLongError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.speculative.proposer import Draft
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 from tests.drafting import assert_drafted, spec_totals
 
 WORDS = "def add return value print the quick brown fox for range list dict x y z".split()

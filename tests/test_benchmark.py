@@ -24,7 +24,7 @@ from draftwise.cli.speculative_flags import speculative_arguments
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.verify import VerifyResult, verify
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from draftwise.errors import ChatTemplateError, DraftwiseError
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 from tests.tiny_models import CHAT_TEMPLATE
 
 # Renders string content and OpenAI content-part lists alike, and a message's name when it has one.

@@ -8,7 +8,7 @@ from draftwise.errors import ModelFormatError, ModelNotFoundError
 from draftwise.loading.gguf_file import GGUFFile, permute_rotary, unpermute_rotary
 from draftwise.loading.hf_folder import load_model
 from draftwise.loading.resolve import resolve_model
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
 POSITIONS = torch.arange(7)[None]

@@ -121,7 +121,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
     from draftwise.errors import InvalidParameterError
     from draftwise.traffic import read_traffic
-    from draftwise.tokenizer import Tokenizer
+    from draftwise.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tiny_qwen)
     with pytest.raises(InvalidParameterError, match="not found"):

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from draftwise import LLM, SamplingParams
 from draftwise.sampling.sampler import SamplingBatch, sampling_probs
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 from tests.tiny_models import write_tiny_model
 
 REQUESTS_PER_SETTING = 800

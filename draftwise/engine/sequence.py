@@ -7,7 +7,7 @@ import time
 from draftwise.engine.outputs import RequestMetrics, RequestOutput
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.metrics import SpecMetrics
-from draftwise.tokenizer import IncrementalDetokenizer, Tokenizer
+from draftwise.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class Sequence:

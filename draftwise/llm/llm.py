@@ -26,7 +26,7 @@ from draftwise.speculative.drafter import build_drafter, measure_costs
 from draftwise.speculative.metrics import SpecMetrics
 from draftwise.speculative.proposer import Proposer
 from draftwise.speculative.registry import Target
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

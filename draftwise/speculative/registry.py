@@ -25,7 +25,7 @@ from typing import Any
 from draftwise.errors import InvalidParameterError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.speculative.proposer import Proposer
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

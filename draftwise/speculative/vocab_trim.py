@@ -24,7 +24,7 @@ from torch import nn
 
 from draftwise.paths import cache_root
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 CORPUS_CHARS = 6_000_000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from draftwise.errors import DraftwiseError
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 _PADDING = re.compile(r"^(\[PAD\d+\]|<pad>|<\|pad\|>|<\|extra_?\d+\|>|<unused\d+>|<\|reserved_special_token_\d+\|>)$")
 

@@ -29,7 +29,7 @@ DATASETS = ("spec-bench", "humaneval")
 def tokenizer_of(model: str):
     """The target's tokenizer, without building an LLM here (the configs' processes build theirs)."""
     from draftwise.loading.resolve import resolve_model
-    from draftwise.tokenizer import Tokenizer
+    from draftwise.text.tokenizer import Tokenizer
 
     return Tokenizer(resolve_model(model, progress=True))
 

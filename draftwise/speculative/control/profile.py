@@ -26,7 +26,7 @@ from draftwise.quant.native import source_digest
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.proposer import Proposer
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # 16+: batches of rows
 CONTEXT_TOKENS = 256

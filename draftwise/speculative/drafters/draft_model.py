@@ -25,7 +25,7 @@ from draftwise.speculative.registry import DrafterSpec, Target, option, register
 from draftwise.speculative.sequence import SequenceState
 from draftwise.speculative.vocab_trim import kept_token_ids, trim_lm_head
 from draftwise.speculative.vocabulary import check_same_vocabulary
-from draftwise.tokenizer import Tokenizer
+from draftwise.text.tokenizer import Tokenizer
 
 
 class DraftModelProposer:

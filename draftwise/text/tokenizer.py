@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from draftwise.chat_isolation import Piece, isolate_client_text
-from draftwise.chat_template import ChatTemplate, find_chat_template
+from draftwise.text.chat_isolation import Piece, isolate_client_text
+from draftwise.text.chat_template import ChatTemplate, find_chat_template
 from draftwise.errors import ChatTemplateError, ModelFormatError
 
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
