@@ -38,7 +38,8 @@ def native_kernels():
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """"native", "triton", or None (the SDPA paths) for a cache on this device, in this dtype."""
-    if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and native_kernels() is not None:
+    if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256 \
+            and native_kernels() is not None:
         return "native"
     if device.type == "cuda" and triton_attention.available() and head_dim in (64, 128, 256):
         return "triton"

@@ -9,9 +9,10 @@
 // decode, verification, draft catch-up and prefill alike, and the keys are read in place through
 // the rows' slot tables (no gather into a contiguous copy).
 //
-// Per query n (row b, position p) and head h (kv head g = h / (Hq / Hkv)):
+// Per query n (row b, position p) and head h (kv head g = h / (Hq / Hkv)); one task per (n, g) runs
+// the group's heads together, so each block of keys and values is read once for all of them:
 //   s_t = scale * <q_n,h , k_b,t,g>          t = 0..p   (dot over D in 16-lane blocks, lanes summed in a fixed tree)
-//   m = max_t s_t,  e_t = exp(s_t - m),  l = sum_t e_t (in t order)
+//   m = max_t s_t,  e_t = exp(s_t - m) (16 at a time),  l = sum of the e_t (16 lanes, then a fixed tree)
 //   out_n,h = (sum_t e_t v_b,t,g) / l        (accumulated in t order, 16 lanes of D at a time)
 //
 // Layouts (all contiguous)
@@ -32,35 +33,118 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
+// exp(x) for x <= 0, 16 lanes: 2^n * p(r) with n = round(x log2 e), r = x - n ln 2 (in two parts),
+// p a degree-6 polynomial (Taylor), |error| ~ 2 ulp; exactly the same instructions for every lane.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below: exp underflows (the caller zeroes unused lanes)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
 }
 
-void attend_one(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t position,
-                int64_t kv_head, int64_t num_kv_heads, int64_t d, float scale, float* scores, float* out) {
-  const int64_t stride = num_kv_heads * d;  // between consecutive slots
-  float max_score = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t <= position; ++t) {
-    const float s = scale * dot(q, keys + slots[t] * stride + kv_head * d, d);
-    scores[t] = s;
-    max_score = s > max_score ? s : max_score;
+// The lane sums of 16 vectors as one vector (lane j: the sum of v[j]'s 16 lanes), by a fixed
+// network of shuffles and adds: 256-bit halves, then 128-bit quarters, then within quarters. Each
+// sum involves its own vector's lanes only, in the same order for every j.
+inline __m512 lane_sums(const __m512 v[16]) {
+  __m512 halves[8], quarters[4];
+  for (int k = 0; k < 8; ++k) {  // [a.q0+a.q2, a.q1+a.q3, b.q0+b.q2, b.q1+b.q3]
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
   }
-  float total = 0.0f;
-  for (int64_t t = 0; t <= position; ++t) {
-    scores[t] = std::exp(scores[t] - max_score);
-    total += scores[t];
+  for (int k = 0; k < 4; ++k) {  // quarter m: the 4-float partial of v[4k + m]
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0xDD));
   }
+  const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(quarters[0], quarters[1]),
+                                 _mm512_unpackhi_ps(quarters[0], quarters[1]));
+  const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2], quarters[3]),
+                                 _mm512_unpackhi_ps(quarters[2], quarters[3]));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));  // lane 4m + k: v[4k + m]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// The dot products of q with 16 keys (rows of d floats), as one vector.
+inline __m512 dots16(const float* q, const float* const keys[16], int64_t d) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < d; i += 16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t t = 0; t <= position; ++t) {
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[t]), _mm512_loadu_ps(values + slots[t] * stride + kv_head * d + i),
-                            acc);
+    const __m512 qi = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[j] + i), acc[j]);
+  }
+  return lane_sums(acc);
+}
+
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// One query over its row's keys for the `group` heads sharing kv head `kv_head` (their q rows are
+// consecutive). The heads go through each block of 16 keys (and values) while it is in L1; each
+// head's arithmetic, and its order, is that of the head alone.
+void attend_group(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t position,
+                  int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale, float* scratch,
+                  float* out) {
+  const int64_t stride = num_kv_heads * d;  // between consecutive slots
+  const int64_t width = (position + 16) / 16 * 16;  // score slots per head
+  float* scores = scratch;  // [group, width]
+  float* acc_store = scratch + group * width;  // [group, d]
+  const float* block[16];
+  __m512 maxima[64];
+  for (int64_t h = 0; h < group; ++h) maxima[h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t <= position; t += 16) {  // 16 key positions at a time (past the position: ignored)
+    const int64_t left = position + 1 - t;
+    const __mmask16 lanes = first_lanes(left);
+    for (int j = 0; j < 16; ++j) block[j] = keys + slots[t + (j < left ? j : left - 1)] * stride + kv_head * d;
+    for (int64_t h = 0; h < group; ++h) {
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale), dots16(q + h * d, block, d));
+      _mm512_mask_storeu_ps(scores + h * width + t, lanes, s);
+      maxima[h] = _mm512_mask_max_ps(maxima[h], lanes, maxima[h], s);
     }
-    _mm512_storeu_ps(out + i, _mm512_div_ps(acc, _mm512_set1_ps(total)));
+  }
+  float totals[64];
+  for (int64_t h = 0; h < group; ++h) {
+    const __m512 max_vec = _mm512_set1_ps(_mm512_reduce_max_ps(maxima[h]));
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t t = 0; t <= position; t += 16) {
+      const __mmask16 lanes = first_lanes(position + 1 - t);
+      float* row = scores + h * width + t;
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row), max_vec));
+      _mm512_mask_storeu_ps(row, lanes, e);
+      sums = _mm512_mask_add_ps(sums, lanes, sums, e);
+    }
+    totals[h] = _mm512_reduce_add_ps(sums);
+  }
+  const int64_t chunks = d / 16;
+  for (int64_t i = 0; i < group * d; ++i) acc_store[i] = 0.0f;
+  __m512 acc[16];  // head_dim up to 256
+  for (int64_t t = 0; t <= position; t += 16) {  // each output lane accumulates over t in order
+    const int64_t end = t + 16 <= position + 1 ? t + 16 : position + 1;
+    for (int64_t h = 0; h < group; ++h) {
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store + h * d + 16 * c);
+      for (int64_t u = t; u < end; ++u) {
+        const __m512 weight = _mm512_set1_ps(scores[h * width + u]);
+        const float* v = values + slots[u] * stride + kv_head * d;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
+      }
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc_store + h * d + 16 * c, acc[c]);
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const __m512 norm = _mm512_set1_ps(totals[h]);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _mm512_storeu_ps(out + h * d + 16 * c, _mm512_div_ps(_mm512_loadu_ps(acc_store + h * d + 16 * c), norm));
+    }
   }
 }
 
@@ -74,7 +158,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
               "paged_attention: contiguous tensors only");
   const int64_t num_queries = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = keys.size(1), table_width = key_slots.size(1);
-  TORCH_CHECK(d % 16 == 0, "paged_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(d % 16 == 0 && d <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads must group over kv heads");
   auto out = torch::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
@@ -88,13 +172,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   for (int64_t n = 0; n < num_queries; ++n) {
     TORCH_CHECK(pos_ptr[n] >= 0 && pos_ptr[n] < table_width, "paged_attention: a position outside its row's slots");
   }
-  at::parallel_for(0, num_queries * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(table_width);
+  TORCH_CHECK(group <= 64, "paged_attention: at most 64 query heads per kv head");
+  at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(group * ((table_width + 15) / 16 * 16 + d));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / num_heads, h = task % num_heads;
-      attend_one(q_ptr + (n * num_heads + h) * d, k_ptr, v_ptr, slot_ptr + row_ptr[n] * table_width, pos_ptr[n],
-                 h / group, num_kv_heads, d, static_cast<float>(scale), scores.data(),
-                 out_ptr + (n * num_heads + h) * d);
+      const int64_t n = task / num_kv_heads, g = task % num_kv_heads;
+      const int64_t first_head = n * num_heads + g * group;
+      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, slot_ptr + row_ptr[n] * table_width, pos_ptr[n], g,
+                   num_kv_heads, group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
     }
   });
   return out;
