@@ -308,3 +308,16 @@ def test_spec_bench_mt_bench_prompts_cover_its_subcategories(tmp_path, monkeypat
     mt_bench = [prompt for category, prompt in chosen if category == "mt_bench"]
     for expected, prompt in zip(["writing 0", "roleplay 0", "reasoning 0", "writing 1"], mt_bench):
         assert expected in prompt
+
+
+def test_abuse_suite_holds_ordinary_streams_beside_a_hostile_burst(settings):
+    pytest.importorskip("openai")
+    report = run_suite("abuse", replace(settings, configs=("ngram:k=2",), levels=(4,), requests=4, hostile=80,
+                                        max_tokens=12, serve_arguments=speculative_arguments))
+    quiet, abused = report.data["quiet"], report.data["abused"]
+    assert quiet["finished"] == abused["finished"] == 4 and not abused["errors"] and abused["incomplete"] == 0
+    hostile = abused["side"]["hostile"]
+    assert hostile["sent"] == 80 and hostile["answered_right"] == 80, hostile["wrong"]
+    assert hostile["health_probes"] > 0 and hostile["health_not_200"] == 0
+    assert "| ordinary texts equal to the quiet phase's | 4/4 |" in report.markdown
+    assert "| hostile requests answered wrongly | 0 |" in report.markdown

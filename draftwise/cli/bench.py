@@ -38,6 +38,7 @@ def add_parser(commands) -> None:
                        help="concurrency: requests in flight (default 1,2,4,8,16); server-load: clients (1,4,16)")
     bench.add_argument("--requests", type=int, default=16, help="concurrency, server-load: requests per level")
     bench.add_argument("--time-limit", type=float, default=900, help="server-load: seconds per level and config")
+    bench.add_argument("--hostile", type=int, default=500, help="abuse: hostile requests beside the ordinary streams")
     bench.add_argument("--fixed-k", type=int, default=3, help="adaptive: the fixed k to compare with")
     bench.add_argument("--formats", default=None,
                        help="plain, quantization: FORMAT or FORMAT:pytorch, comma-separated, the first the baseline")
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> None:
         methods = default_configs()
     if args.peers and args.suite != "speculative":
         raise InvalidParameterError("--peers runs beside the speculative suite only")
-    for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens"):
+    for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens", "hostile"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")
     settings = BenchSettings(
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> None:
         peers=(args.peers,) if args.peers else (), isolation="in-process" if args.in_process else "process",
         max_model_len=args.max_model_len, levels=_levels(args.levels), requests=args.requests,
         fixed_k=args.fixed_k, formats=tuple(f for f in args.formats.split(",") if f) if args.formats else None,
-        eval_tokens=args.eval_tokens, time_limit=args.time_limit, serve_arguments=speculative_arguments)
+        eval_tokens=args.eval_tokens, time_limit=args.time_limit, hostile=args.hostile,
+        serve_arguments=speculative_arguments)
     report = run_suite(args.suite, settings)
     paths = write_outputs(report, settings.output)
     print(report.markdown)

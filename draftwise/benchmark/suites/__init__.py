@@ -21,6 +21,7 @@ SUITES = {
     "server-load": ("server_load", "`draftwise serve` per config, N concurrent streaming openai clients"),
     "quantization": ("quantization", "weight formats (fp32, int8, int4, kernel paths): speed and quality"),
     "drafting-options": ("drafting_options", "trimmed draft head, confidence stop, randomized drafting"),
+    "abuse": ("abuse", "ordinary streams beside a burst of hostile requests: what was held and lost"),
 }
 
 
@@ -46,6 +47,7 @@ class BenchSettings:
     formats: tuple[str, ...] | None = None  # plain, quantization: FORMAT or FORMAT:pytorch
     eval_tokens: int = 1536  # quantization: tokens of the quality sample
     time_limit: float = 900.0  # server-load: seconds per level and config, at most
+    hostile: int = 500  # abuse: hostile requests sent beside the ordinary streams
     # server-load: the `draftwise serve` flags of a speculative dict (the CLI's, which owns the flags)
     serve_arguments: Callable[[dict | None], list[str]] | None = None
     progress: bool = True
