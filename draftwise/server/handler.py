@@ -108,11 +108,17 @@ class RequestHandler:
         return final
 
 
+LARGE_BODY_BYTES = 64 * 1024  # bodies past this are parsed on a worker thread, not the event loop
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The body validated strictly (the raw JSON parser: lone surrogates and NaN are refused); a
-    failure is a 400 naming the field, without echoing the input."""
+    """The body validated strictly (the raw JSON parser: lone surrogates are refused); a failure is
+    a 400 naming the field, without echoing the input. A large body is parsed off the event loop
+    (megabytes of JSON take tens of milliseconds, which /health and the streams must not wait for)."""
     raw = await request.body()
     try:
+        if len(raw) > LARGE_BODY_BYTES:
+            return await asyncio.to_thread(model.model_validate_json, raw)
         return model.model_validate_json(raw)
     except ValidationError as error:
         raise describe(error) from None

@@ -13,7 +13,6 @@ streams failed, cut or changed; hostile requests answered wrongly, by kind).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from contextlib import ExitStack
 
@@ -32,6 +31,36 @@ BURST_CONCURRENCY = 50
 HEALTH_INTERVAL = 0.05
 
 
+HEALTH_PROBE = """
+import select, sys, time, urllib.request
+latencies = []
+while not select.select([sys.stdin], [], [], 0)[0]:  # until the parent writes a line
+    started = time.perf_counter()
+    with urllib.request.urlopen(sys.argv[1] + "/health", timeout=30) as response:
+        latencies.append((time.perf_counter() - started, response.status))
+    time.sleep(float(sys.argv[2]))
+print(repr(latencies))
+"""
+
+
+class HealthProbe:
+    """/health probed every HEALTH_INTERVAL from a process of its own (so that what it measures is
+    the server, not this process's event loop, busy sending the burst)."""
+
+    def __init__(self, base: str) -> None:
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, base, str(HEALTH_INTERVAL)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[tuple[float, int]]:
+        import ast
+
+        out, _ = self.process.communicate(input="stop\n", timeout=120)
+        return ast.literal_eval(out.strip() or "[]")
+
+
 class HostileBurst:
     """`count` hostile requests, the catalogue in turn, `BURST_CONCURRENCY` at a time; /health probed
     all along. Side traffic for `loadgen.drive`."""
@@ -45,33 +74,24 @@ class HostileBurst:
     async def run(self, client, model: str, done: asyncio.Event) -> dict:
         import httpx
 
-        answered, wrong, health = Counter(), Counter(), []
+        answered, wrong, self.problems = Counter(), Counter(), []
+        probe = HealthProbe(self.base)
         async with httpx.AsyncClient(base_url=self.base, timeout=120) as http:
-            stop_probing = asyncio.Event()
-
-            async def probe() -> None:
-                while not stop_probing.is_set():
-                    started = time.perf_counter()
-                    response = await http.get("/health")
-                    health.append((time.perf_counter() - started, response.status_code))
-                    await asyncio.sleep(HEALTH_INTERVAL)
-
             async def send(index: int) -> None:
                 request = self.requests[index % len(self.requests)]
                 problems = request.problems(await request.send_async(http))
                 answered[request.name] += 1
                 if problems:
                     wrong[request.name] += 1
+                    self.problems += problems
 
-            prober = asyncio.create_task(probe())
             for start in range(0, self.count, BURST_CONCURRENCY):
                 await asyncio.gather(*(send(i) for i in range(start, min(start + BURST_CONCURRENCY, self.count))))
-            stop_probing.set()
-            await prober
+        health = probe.stop()
         seconds = sorted(s for s, _ in health)
         return {"sent": self.count, "answered_right": self.count - sum(wrong.values()), "wrong": dict(wrong),
                 "kinds": len(self.requests), "health_probes": len(health),
-                "health_not_200": sum(status != 200 for _, status in health),
+                "health_not_200": sum(status != 200 for _, status in health), "problems": self.problems[:10],
                 "health_p50": percentile(seconds, 0.5), "health_p99": percentile(seconds, 0.99),
                 "health_max": seconds[-1] if seconds else None}
 
