@@ -23,10 +23,10 @@ from draftwise.benchmark.report import SuiteReport, ratio, table
 from draftwise.benchmark.suites import BenchSettings
 from draftwise.benchmark.suites.speculative import prompts_for
 from draftwise.benchmark.summary import speedup
-from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
 from draftwise.stats import percentile
 
 CLIENTS = 64
+MAX_REQUEST_BYTES = 8 * 2**20  # the server's body limit here (its default), which hostile bodies pass
 BURST_CONCURRENCY = 50
 HEALTH_INTERVAL = 0.05
 
@@ -69,7 +69,7 @@ class HostileBurst:
 
     def __init__(self, base: str, model: str, count: int) -> None:
         self.base, self.count = base, count
-        self.requests = catalogue(model, DEFAULT_MAX_REQUEST_BYTES)
+        self.requests = catalogue(model, MAX_REQUEST_BYTES)
 
     async def run(self, client, model: str, done: asyncio.Event) -> dict:
         import httpx
@@ -107,6 +107,7 @@ def run(settings: BenchSettings) -> SuiteReport:
     with ExitStack() as stack:
         server = Server(["--model", settings.model, "--max-num-seqs", "8", "--max-model-len",
                          str(settings.max_model_len), "--allowed-hosts", "127.0.0.1,localhost",
+                         "--max-request-bytes", str(MAX_REQUEST_BYTES),
                          *settings.serve_arguments(spec)], settings.output / "server-abuse.log")
         stack.callback(server.stop)
         server.wait_ready()
