@@ -16,15 +16,15 @@ CHECK = textwrap.dedent("""
     from draftwise.cache.triton_attention import triton_attention
     device = "{device}"
     torch.manual_seed(0)
-    heads, kv_heads, dim, slots = 12, 2, 64, 600
-    keys = torch.randn(slots, kv_heads, dim, device=device)
-    values = torch.randn(slots, kv_heads, dim, device=device)
-    order = torch.randperm(slots, device=device)
-    key_slots = torch.stack([order[:120], order[120:240], order[240:360]])  # three rows, scattered pages
+    heads, kv_heads, dim, page = 12, 2, 64, 16
+    keys = torch.randn(40 * page, kv_heads, dim, device=device)
+    values = torch.randn(40 * page, kv_heads, dim, device=device)
+    tables = torch.randperm(40, device=device)[:24].view(3, 8)  # three rows of 8 scattered blocks
+    key_slots = (tables[:, :, None] * page + torch.arange(page, device=device)).flatten(1)  # [3, 128]
     positions = torch.tensor([[116, 117, 118, 119], [5, 6, 7, 8], [60, 61, 62, 63]], device=device)
     rows = torch.arange(3, device=device).repeat_interleave(4)
     q = torch.randn(3, heads, 4, dim, device=device)
-    out = triton_attention(q, keys, values, key_slots, rows, positions.flatten())
+    out = triton_attention(q, keys, values, tables, page, rows, positions.flatten())
     worst = 0.0
     for b in range(3):
         k = keys[key_slots[b]].transpose(0, 1)[None]
@@ -34,7 +34,7 @@ CHECK = textwrap.dedent("""
             ref = F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[:, :, :p + 1], v[:, :, :p + 1],
                                                  enable_gqa=True)
             worst = max(worst, float((out[b:b + 1, :, s:s + 1] - ref).abs().max()))
-            alone = triton_attention(q[b:b + 1, :, s:s + 1].contiguous(), keys, values, key_slots[b:b + 1],
+            alone = triton_attention(q[b:b + 1, :, s:s + 1].contiguous(), keys, values, tables[b:b + 1], page,
                                      torch.zeros(1, dtype=torch.long, device=device), positions[b, s:s + 1])
             assert torch.equal(alone, out[b:b + 1, :, s:s + 1]), (b, s)
     assert worst < 1e-4, worst

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: the backend every forward pass goes through.
 
 - native (`kernels/paged_attention.cpp`, CPU, fp32, AVX-512): every query of the pass in one call,
-  keys read in place through each row's slot table, one fixed order of arithmetic per query; so a
+  keys read in place through each row's block table, one fixed order of arithmetic per query; so a
   query's result never depends on how many queries or rows share the pass, for decode,
   verification, draft catch-up and prefill alike.
 - triton (`triton_attention.py`, CUDA): the same algorithm as one Triton kernel per layer.
@@ -47,18 +47,37 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str |
 
 
 def kernel_attention(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     key_slots: torch.Tensor, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                     block_tables: torch.Tensor, block_size: int, query_rows: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
     attend = native_attention if kernel == "native" else triton_attention.triton_attention
-    return attend(q, keys, values, key_slots, query_rows, positions)
+    return attend(q, keys, values, block_tables, block_size, query_rows, positions)
 
 
-def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor,
-                     query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; key_slots [B, T] the
-    slot of each key position per row; query_rows, positions [B*S]. Returns [B, Hq, S, D]."""
+@torch.library.custom_op("draftwise::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
+                        block_size: int, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The native kernel as a custom op, so that `torch.compile(fullgraph=True)` traces through it."""
+    return native_kernels().paged_attention(q, keys, values, block_tables, block_size, query_rows, positions,
+                                            q.shape[-1] ** -0.5)
+
+
+@_paged_attention_op.register_fake
+def _(q, keys, values, block_tables, block_size, query_rows, positions):
+    return torch.empty_like(q)
+
+
+def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
+                     block_size: int, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; block_tables [B, W] each
+    row's blocks of `block_size` slots in position order; query_rows, positions [B*S]. Returns
+    [B, Hq, S, D]."""
     batch, heads, seq, dim = q.shape
     flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
-    out = native_kernels().paged_attention(flat, keys, values, key_slots, query_rows, positions, dim ** -0.5)
+    if torch.compiler.is_compiling():
+        out = _paged_attention_op(flat, keys, values, block_tables, block_size, query_rows, positions)
+    else:
+        out = native_kernels().paged_attention(flat, keys, values, block_tables, block_size, query_rows, positions,
+                                               dim ** -0.5)
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 

@@ -2,7 +2,7 @@
 GPU's counterpart of `kernels/paged_attention.cpp`.
 
 One program per (query, kv head) computes the attention of that query's group of heads over its
-own row's keys, read in place through the row's slot table, block after block of BLOCK_N positions
+own row's keys, read in place through the row's block table, block after block of BLOCK_N positions
 in a fixed order (online softmax, fp32 accumulation). No program reads another query's data or
 depends on how many programs run, so a query's result is the same alone, in a verification pass of
 k + 1 tokens, in a batch of 64 rows or in a prefill: the batch invariance speculation needs to stay
@@ -32,8 +32,8 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, rows_ptr, positions_ptr, out_ptr, scale,
-                                stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_slots_b,
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, positions_ptr, out_ptr, scale,
+                                stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_tables_b, page_size,
                                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 BLOCK: tl.constexpr):
         n = tl.program_id(0)  # the query
@@ -51,7 +51,8 @@ if triton is not None:
         for start in range(0, position + 1, BLOCK):
             offsets = start + tl.arange(0, BLOCK)  # [N]
             visible = offsets <= position
-            slots = tl.load(slots_ptr + row * stride_slots_b + offsets, mask=visible, other=0)
+            pages = tl.load(tables_ptr + row * stride_tables_b + offsets // page_size, mask=visible, other=0)
+            slots = pages * page_size + offsets % page_size
             kv_offsets = slots[:, None] * stride_kv_s + g * stride_kv_h + dims[None, :]  # [N, D]
             k = tl.load(k_ptr + kv_offsets, mask=visible[:, None], other=0.0)
             v = tl.load(v_ptr + kv_offsets, mask=visible[:, None], other=0.0)
@@ -68,17 +69,18 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_slots: torch.Tensor,
-                     query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; key_slots [B, T] the
-    slot of each key position per row; query_rows, positions [B*S]. Returns [B, Hq, S, D]."""
+def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
+                     block_size: int, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; block_tables [B, W] each
+    row's blocks of `block_size` slots in position order; query_rows, positions [B*S]. Returns
+    [B, Hq, S, D]."""
     batch, heads, seq, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
     out = torch.empty_like(flat)
     _paged_attention_kernel[(batch * seq, kv_heads)](
-        flat, keys, values, key_slots, query_rows, positions, out, dim ** -0.5,
-        flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), key_slots.stride(0),
+        flat, keys, values, block_tables, query_rows, positions, out, dim ** -0.5,
+        flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0), block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=BLOCK_N)
     return out.view(batch, seq, heads, dim).transpose(1, 2)

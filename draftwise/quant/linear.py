@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftwise.quant import native_ops
 from draftwise.quant.native import kernels as native_kernels
 
 INT4_GROUP = 32
@@ -71,7 +72,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
         if self.kernels is not None:
-            out = self.kernels.int4_matmul(flat, self.nibbles, self.scale_min, self.out_features)  # [M, N] float32
+            out = native_ops.int4(flat, self.nibbles, self.scale_min, self.out_features)  # [M, N] float32
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, INT4_GROUP, self.scales_and_zeros)
         out = out.to(x.dtype)
@@ -125,7 +126,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
         if self.kernels is not None:
-            out = self.kernels.int8_matmul(flat, self.weight_int8, self.scales_float)  # [M, N] float32
+            out = native_ops.int8(flat, self.weight_int8, self.scales_float)  # [M, N] float32
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         out = out.to(x.dtype)

@@ -96,8 +96,7 @@ class ModelRunner:
 
         token_tensor = torch.tensor(padded, device=self.device)  # [B, S]
         position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
-        valid_tensor = None if valid is None else torch.tensor(valid, device=self.device)  # [B, S]
-        view = self.cache.view(rows, positions, valid_tensor, valid, kv_length)
+        view = self.cache.view(rows, positions, valid, kv_length)
         hidden, captured = self.model.hidden_states(token_tensor, position_tensor, view, num_layers=num_layers,
                                                     capture_layers=capture_layers)
 

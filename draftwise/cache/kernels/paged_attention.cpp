@@ -7,7 +7,7 @@
 // takes other kernels for small M), so until now each query was a call of its own, from Python:
 // 28 layers x (k + 1) x rows calls per step. Here every query of a step is one task of one call, for
 // decode, verification, draft catch-up and prefill alike, and the keys are read in place through
-// the rows' slot tables (no gather into a contiguous copy).
+// the rows' block tables (no gather into a contiguous copy).
 //
 // Per query n (row b, position p) and head h (kv head g = h / (Hq / Hkv)); one task per (n, g) runs
 // the group's heads together, so each block of keys and values is read once for all of them:
@@ -17,8 +17,9 @@
 //
 // Layouts (all contiguous)
 //   q            float [N, Hq, D]       D a multiple of 16
-//   keys, values float [slots, Hkv, D]   one layer's paged storage
-//   key_slots    int64 [B, T]            the slot of each key position of each row (T > every query position)
+//   keys, values float [slots, Hkv, D]   one layer's paged storage, slots = blocks x block_size
+//   block_tables int64 [B, W]            each row's blocks in position order: key position t of row b is in
+//                                        slot block_tables[b, t / block_size] * block_size + t % block_size
 //   query_rows   int64 [N]               the row of each query
 //   positions    int64 [N]               the position of each query (it sees keys 0..position)
 //   out          float [N, Hq, D]
@@ -92,9 +93,10 @@ inline __mmask16 first_lanes(int64_t count) {
 // One query over its row's keys for the `group` heads sharing kv head `kv_head` (their q rows are
 // consecutive). The heads go through each block of 16 keys (and values) while it is in L1; each
 // head's arithmetic, and its order, is that of the head alone.
-void attend_group(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t position,
-                  int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale, float* scratch,
-                  float* out) {
+void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks, int64_t block_size,
+                  int64_t position, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
+                  float* scratch, float* out) {
+  auto slot = [&](int64_t t) { return blocks[t / block_size] * block_size + t % block_size; };
   const int64_t stride = num_kv_heads * d;  // between consecutive slots
   const int64_t width = (position + 16) / 16 * 16;  // score slots per head
   float* scores = scratch;  // [group, width]
@@ -105,7 +107,7 @@ void attend_group(const float* q, const float* keys, const float* values, const 
   for (int64_t t = 0; t <= position; t += 16) {  // 16 key positions at a time (past the position: ignored)
     const int64_t left = position + 1 - t;
     const __mmask16 lanes = first_lanes(left);
-    for (int j = 0; j < 16; ++j) block[j] = keys + slots[t + (j < left ? j : left - 1)] * stride + kv_head * d;
+    for (int j = 0; j < 16; ++j) block[j] = keys + slot(t + (j < left ? j : left - 1)) * stride + kv_head * d;
     for (int64_t h = 0; h < group; ++h) {
       const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale), dots16(q + h * d, block, d));
       _mm512_mask_storeu_ps(scores + h * width + t, lanes, s);
@@ -134,7 +136,7 @@ void attend_group(const float* q, const float* keys, const float* values, const 
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store + h * d + 16 * c);
       for (int64_t u = t; u < end; ++u) {
         const __m512 weight = _mm512_set1_ps(scores[h * width + u]);
-        const float* v = values + slots[u] * stride + kv_head * d;
+        const float* v = values + slot(u) * stride + kv_head * d;
         for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
       }
       for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc_store + h * d + 16 * c, acc[c]);
@@ -150,27 +152,27 @@ void attend_group(const float* q, const float* keys, const float* values, const 
 
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor key_slots,
-                              torch::Tensor query_rows, torch::Tensor positions, double scale) {
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor block_tables,
+                              int64_t block_size, torch::Tensor query_rows, torch::Tensor positions, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32,
               "paged_attention: fp32 only");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && key_slots.is_contiguous(),
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && block_tables.is_contiguous(),
               "paged_attention: contiguous tensors only");
   const int64_t num_queries = q.size(0), num_heads = q.size(1), d = q.size(2);
-  const int64_t num_kv_heads = keys.size(1), table_width = key_slots.size(1);
+  const int64_t num_kv_heads = keys.size(1), table_width = block_tables.size(1) * block_size;
   TORCH_CHECK(d % 16 == 0 && d <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads must group over kv heads");
   auto out = torch::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = keys.data_ptr<float>();
   const float* v_ptr = values.data_ptr<float>();
-  const int64_t* slot_ptr = key_slots.data_ptr<int64_t>();
+  const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
   const int64_t* row_ptr = query_rows.data_ptr<int64_t>();
   const int64_t* pos_ptr = positions.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t group = num_heads / num_kv_heads;
   for (int64_t n = 0; n < num_queries; ++n) {
-    TORCH_CHECK(pos_ptr[n] >= 0 && pos_ptr[n] < table_width, "paged_attention: a position outside its row's slots");
+    TORCH_CHECK(pos_ptr[n] >= 0 && pos_ptr[n] < table_width, "paged_attention: a position past its row's block table");
   }
   TORCH_CHECK(group <= 64, "paged_attention: at most 64 query heads per kv head");
   at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -178,8 +180,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / num_kv_heads, g = task % num_kv_heads;
       const int64_t first_head = n * num_heads + g * group;
-      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, slot_ptr + row_ptr[n] * table_width, pos_ptr[n], g,
-                   num_kv_heads, group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
+      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table_ptr + row_ptr[n] * block_tables.size(1), block_size,
+                   pos_ptr[n], g, num_kv_heads, group, d, static_cast<float>(scale), scratch.data(),
+                   out_ptr + first_head * d);
     }
   });
   return out;

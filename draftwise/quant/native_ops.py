@@ -1,0 +1,43 @@
+"""The native low-bit matmuls as PyTorch custom ops, so that `torch.compile(fullgraph=True)` traces
+through them (a plain extension call would break the graph); eager code calls the extension
+directly and skips the dispatcher's cost."""
+
+from __future__ import annotations
+
+import torch
+
+from draftwise.quant.native import kernels
+
+
+@torch.library.custom_op("draftwise::int4_matmul", mutates_args=())
+def int4_matmul(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x bf16 [M, K] times an int4 weight in the native layout: float32 [M, out_features]."""
+    return kernels().int4_matmul(x, nibbles, scale_min, out_features)
+
+
+@int4_matmul.register_fake
+def _(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+@torch.library.custom_op("draftwise::int8_matmul", mutates_args=())
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x bf16 [M, K] times int8 weight [N, K] with per-channel float scales [N]: float32 [M, N]."""
+    return kernels().int8_matmul(x, weight, scales)
+
+
+@int8_matmul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def int4(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return int4_matmul(x, nibbles, scale_min, out_features)
+    return kernels().int4_matmul(x, nibbles, scale_min, out_features)
+
+
+def int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return int8_matmul(x, weight, scales)
+    return kernels().int8_matmul(x, weight, scales)
