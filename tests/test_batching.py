@@ -205,22 +205,27 @@ def test_rows_of_different_drafters_and_plain_rows_share_a_batch(tiny_qwen, rand
         build(tiny_qwen, random_draft, "plain").add_request("hi", GREEDY, speculative={"method": "draft"})
 
 
+@pytest.mark.parametrize("step_mode", ["auto", "eager"])
 @pytest.mark.parametrize("quantization", ["int4", "none"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
-def test_the_target_drafting_for_itself_accepts_everything_at_any_row_count(tiny_qwen, rows, quantization):
+def test_the_target_drafting_for_itself_accepts_everything_at_any_row_count(tiny_qwen, rows, quantization, step_mode):
     """The direct test of batch invariance: verifying k tokens for R rows computes, bit for bit,
     what R rows of one-token steps compute, and a draft model's catch-up over a whole prompt what
     the target's prefill computed; so a target drafting for itself (k = 4, greedy) has every draft
-    accepted and equals plain decoding, at 1, 8 and 32 rows alike."""
+    accepted and equals plain decoding, at 1, 8 and 32 rows alike. With step_mode "eager" the
+    speculative run's passes go through the static-shape step (padded buckets) while plain
+    decoding takes the eager path: they must still agree bit for bit."""
     prompts = [PROMPTS[i % len(PROMPTS)] + " x" * (i // len(PROMPTS)) for i in range(rows)]  # 1 to ~100 tokens
     assert rows < 8 or max(len(Tokenizer(tiny_qwen).encode(p)) for p in prompts) > 64  # long catch-ups too
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=rows, progress=False, quantization=quantization)
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=rows, progress=False, quantization=quantization,
+              step_mode=step_mode,
               speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4, "adaptive": False,
                            "quantization": quantization, "draft_vocab_size": None, "draft_context_window": None})
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == expected
     metrics = llm.spec_metrics
     assert metrics.num_draft_tokens >= rows * 3 and metrics.num_accepted_tokens == metrics.num_draft_tokens
+    assert (step_mode == "eager") == bool(llm.runner.static_step and llm.runner.static_step._seen)

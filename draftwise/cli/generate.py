@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from draftwise.cli.model_flags import add_model_arguments
+from draftwise.cli.model_flags import add_model_arguments, model_keywords
 from draftwise.cli.speculative_flags import speculative_from_args
 
 
@@ -29,9 +29,7 @@ def run(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1,
-              speculative=speculative_from_args(args), quantization=args.quantization,
-              load_format=args.load_format)
+    llm = LLM(args.model, max_num_seqs=1, speculative=speculative_from_args(args), **model_keywords(args))
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])

@@ -18,3 +18,13 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
                          help="dummy: random weights of the model's shape, from its config.json alone")
     command.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     command.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU)")
+    command.add_argument("--enforce-eager", action="store_true",
+                         help="run every pass op by op: no CUDA graph, no compiled step")
+    command.add_argument("--step-mode", default="auto", choices=["auto", "eager", "compile", "graph"],
+                         help="decode and verification passes: auto = CUDA graphs on CUDA, eager on the CPU")
+
+
+def model_keywords(args: argparse.Namespace) -> dict:
+    """The `LLM` keywords these flags set."""
+    return dict(device=args.device, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
+                enforce_eager=args.enforce_eager, step_mode=args.step_mode)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from draftwise.cli.model_flags import add_model_arguments
+from draftwise.cli.model_flags import add_model_arguments, model_keywords
 from draftwise.cli.speculative_flags import speculative_from_args
 
 ACCEPTANCE_RATES = (0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -22,8 +22,7 @@ def run(args: argparse.Namespace) -> None:
     from draftwise.speculative.control.controller import best_num_tokens, expected_tokens
 
     speculative = speculative_from_args(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=1, quantization=args.quantization,
-              load_format=args.load_format)
+    llm = LLM(args.model, max_num_seqs=1, **model_keywords(args))
     if speculative is not None:
         llm.set_speculative({**speculative, "adaptive": False})  # measured below, with --refresh honoured
     proposer = llm.engine.drafters[llm.default_method].proposer if llm.default_method else None

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from draftwise.cli.model_flags import add_model_arguments
+from draftwise.cli.model_flags import add_model_arguments, model_keywords
 from draftwise.cli.speculative_flags import speculative_from_args
 from draftwise.errors import InvalidParameterError
 
@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> None:
     if args.max_request_bytes < 1024 or args.drain_timeout < 0:
         raise InvalidParameterError("--max-request-bytes must be at least 1024 and --drain-timeout >= 0")
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb else None
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              load_format=args.load_format,
+    llm = LLM(args.model, **model_keywords(args),
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
               speculative=speculative_from_args(args))
     methods = ([spec.name for spec in all_specs() if spec.per_request] if args.per_request_methods is None

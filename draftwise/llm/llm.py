@@ -51,14 +51,23 @@ class LLM:
         speculative: SpeculativeConfig | dict | None = None,
         quantization: str = "auto",
         load_format: str = "auto",
+        enforce_eager: bool = False,
+        step_mode: str | None = "auto",
         progress: bool = True,
     ) -> None:
+        """enforce_eager (vLLM's name): every pass op by op, no CUDA graph or compiled step. step_mode:
+        how decode and verification passes run (`draftwise.runner.static_step`): "auto" (CUDA graphs on
+        CUDA, eager on the CPU), "eager", "compile", "graph", or None (the plain eager path)."""
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
             raise InvalidParameterError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        if not isinstance(enforce_eager, bool):
+            raise InvalidParameterError(f"enforce_eager must be true or false, got {enforce_eager!r}")
+        if enforce_eager and step_mode not in ("auto", None, "eager"):
+            raise InvalidParameterError(f"enforce_eager=True runs no {step_mode!r} step: pass one or the other")
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model_folder = resolve_model(model, progress=progress)
@@ -82,7 +91,7 @@ class LLM:
                     f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no block of {block_size} tokens "
                     f"({ModelRunner.kv_bytes_per_token(self.model)} bytes per token)")
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, num_blocks=num_blocks,
-                                  block_size=block_size)
+                                  block_size=block_size, step_mode=None if enforce_eager else step_mode)
         self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
                              self.max_model_len, progress, load_format)
         self._install(config)

@@ -37,8 +37,23 @@ class OneDNNLinear(nn.Module):
             # then verifying k tokens would not compute what k one-token steps compute. A single
             # row goes through the GEMM as two (itself and a copy); M >= 2 all agree bit for bit.
             rows = rows.expand(2, -1)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():  # the packed weight is opaque to the compiler: call it as one op
+            out = _onednn_linear(rows, self.packed_weight, self.bias, self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out[:x[..., 0].numel()].reshape(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("draftwise::onednn_linear", mutates_args=())
+def _onednn_linear(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """rows [M, in] times a prepacked weight: [M, out_features]."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(rows, packed_weight, bias, out_features):
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 def pack_linear_layers(model: nn.Module) -> int:

@@ -5,6 +5,10 @@ append to it) and gets back logits for the last positions of each row that it as
 their own lengths; their keys and values live in a paged cache (`draftwise.cache`) whose blocks
 they take as they grow and give back when rolled back (`truncate(handle, n)`) or freed. Another
 backend implements the same methods without the speculation code noticing.
+
+Passes of up to 16 new tokens per row (decoding, verification, a draft's catch-up) go through a
+static-shape step (`static_step.py`) when `step_mode` names one: eager, compiled, or replayed as a
+CUDA graph; prompts, layer-skipping passes and passes that capture hidden states run eagerly.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from draftwise.cache.kv_cache import KVCache
-from draftwise.errors import PromptTooLongError
+from draftwise.errors import InvalidParameterError, PromptTooLongError
 from draftwise.model.transformer import Transformer
+from draftwise.runner.static_step import MODES as STEP_MODES, StaticStep
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -30,8 +35,11 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model: Transformer, max_num_rows: int, max_len: int, *, num_blocks: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        """max_num_rows * max_len tokens of cache unless `num_blocks` says how many blocks."""
+                 block_size: int = DEFAULT_BLOCK_SIZE, step_mode: str | None = None,
+                 step_buckets: dict | None = None) -> None:
+        """max_num_rows * max_len tokens of cache unless `num_blocks` says how many blocks. step_mode:
+        None (every pass eager) or a `StaticStep` mode ("eager", "compile", "graph"); step_buckets:
+        `row_buckets` and `token_buckets` for it."""
         self.model = model
         config = model.config
         self.device = model.embed_tokens.weight.device
@@ -43,6 +51,9 @@ class ModelRunner:
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
                              config.head_dim, self.dtype, self.device)
         self.blocks = self.cache.blocks
+        self.step_mode = _resolve_step_mode(step_mode, self.cache)
+        self.static_step = None if self.step_mode is None else StaticStep(model, self.cache, max_len, self.step_mode,
+                                                                          **(step_buckets or {}))
         self._handles = itertools.count()
 
     @staticmethod
@@ -88,6 +99,32 @@ class ModelRunner:
         for row, length, count in zip(rows, lengths, counts):
             self.blocks.grow(row, length + count)
         width = max(counts)
+        if self.static_step is not None and num_layers is None and not capture_layers \
+                and self.static_step.fits(len(rows), width):
+            result = self._static_forward(rows, token_ids, lengths, num_logits)
+        else:
+            result = self._eager_forward(rows, token_ids, lengths, num_logits, num_layers, capture_layers)
+        for row, length, count in zip(rows, lengths, counts):
+            self.blocks.set_length(row, length + count)
+        return result
+
+    def _static_forward(self, rows: list[int], token_ids: list[list[int]], lengths: list[int],
+                        num_logits: list[int]) -> ForwardResult:
+        step = self.static_step
+        bucket = step.bucket(len(rows), max(len(ids) for ids in token_ids), any(n > 1 for n in num_logits))
+        logits = step.run(bucket, step.prepare(bucket, rows, token_ids, lengths))  # [R'*L', V]
+        _, width, per_row = bucket
+        if per_row == 1:
+            index = list(range(len(rows)))
+        else:
+            index = [b * width + len(token_ids[b]) - n + i for b, n in enumerate(num_logits) for i in range(n)]
+        return ForwardResult(logits[index], _cumulative(num_logits))
+
+    def _eager_forward(self, rows: list[int], token_ids: list[list[int]], lengths: list[int],
+                       num_logits: list[int], num_layers: int | None,
+                       capture_layers: tuple[int, ...]) -> ForwardResult:
+        counts = [len(ids) for ids in token_ids]
+        width = max(counts)
         kv_length = max(length + count for length, count in zip(lengths, counts))
         padded = [ids + [0] * (width - len(ids)) for ids in token_ids]
         # Padding positions continue the row (capped inside the keys read); their outputs are dropped.
@@ -105,9 +142,24 @@ class ModelRunner:
         seq_index = [counts[b] - n + i for b, n in enumerate(num_logits) for i in range(n)]
         picked = hidden[batch_index, seq_index]  # [N, H]
         logits = self.model.logits(picked)  # [N, V]
-        for row, length, count in zip(rows, lengths, counts):
-            self.blocks.set_length(row, length + count)
-        cu = [0]
-        for n in num_logits:
-            cu.append(cu[-1] + n)
-        return ForwardResult(logits, cu, {layer: h[batch_index, seq_index] for layer, h in captured.items()})
+        return ForwardResult(logits, _cumulative(num_logits),
+                             {layer: h[batch_index, seq_index] for layer, h in captured.items()})
+
+
+def _resolve_step_mode(step_mode: str | None, cache: KVCache) -> str | None:
+    if step_mode == "auto":
+        return "graph" if cache.keys.device.type == "cuda" and cache.kernel is not None else None
+    if step_mode is not None and step_mode not in STEP_MODES:
+        raise InvalidParameterError(f"step_mode must be one of auto, {', '.join(STEP_MODES)} or None, got {step_mode!r}")
+    if step_mode is not None and cache.kernel is None:
+        raise InvalidParameterError(
+            f"step_mode {step_mode!r} needs a paged-attention kernel, and there is none for a "
+            f"{cache.keys.dtype} cache on {cache.keys.device.type} here (enforce_eager=True runs without one)")
+    return step_mode
+
+
+def _cumulative(num_logits: list[int]) -> list[int]:
+    cu = [0]
+    for n in num_logits:
+        cu.append(cu[-1] + n)
+    return cu

@@ -132,7 +132,7 @@ def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelP
     # request), plus a block per request for rounding.
     draft_runner = ModelRunner(draft_model, target.max_num_seqs, target.max_model_len,
                                num_blocks=runner.blocks.num_blocks + target.max_num_seqs,
-                               block_size=runner.blocks.block_size)
+                               block_size=runner.blocks.block_size, step_mode=runner.step_mode)
     return DraftModelProposer(draft_runner, options.draft_confidence_threshold, options.draft_context_window)
 
 

@@ -1,0 +1,166 @@
+"""A forward pass as a function of tensors only, in buckets of fixed shapes: what a compiled step
+(`torch.compile(fullgraph=True)`) and a CUDA graph need.
+
+A decode or verification pass over R rows of at most S new tokens each is padded to the bucket
+(R', S'), the next sizes in the row and token buckets: padding rows and tokens write their keys and
+values to the cache's scratch slot, attend over positions that are never read back, and their
+outputs are dropped. Every row's block table is padded to the width of the longest context the
+runner allows, so lengths live in tensors and never in shapes: a bucket's graph serves every step
+that fits it, whatever the lengths and the batch's composition. The LM head (the costliest matmul)
+runs only on the tokens asked for: the last token of each row (L' = 1: decoding, a draft's
+catch-up) or all S' of them (L' = S': verification); the bucket is (R', S', L').
+
+The step needs an attention kernel (`draftwise.cache.attention_backend`: native on the CPU, Triton on
+CUDA); without one, and for prompts (more tokens than the largest bucket), the runner's eager path
+runs instead. Its modes:
+- "eager": the same function, op by op (bit-identical to the runner's eager path: the same
+  kernels, row-invariant, on the same rows);
+- "compile": `torch.compile(fullgraph=True, dynamic=False)`, one graph per bucket, never a
+  recompile within one (the number of buckets bounds the compilations);
+- "graph" (CUDA): each bucket captured once as a CUDA graph over static input buffers, then
+  replayed: one launch per step instead of ~1,000.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields
+
+import torch
+
+from draftwise.cache import attention_backend
+from draftwise.cache.kv_cache import KVCache
+from draftwise.errors import InvalidParameterError
+from draftwise.model.transformer import Transformer
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16)
+MODES = ("eager", "compile", "graph")
+
+Bucket = tuple[int, int, int]  # (rows R', tokens per row S', logits per row L')
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """One bucket's inputs (R rows, S tokens each, W blocks per row, L logits per row)."""
+
+    token_ids: torch.Tensor  # [R, S]
+    positions: torch.Tensor  # [R, S]
+    write_slots: torch.Tensor  # [R*S] where each token's keys and values go (padding: the scratch slot)
+    block_tables: torch.Tensor  # [R, W]
+    query_rows: torch.Tensor  # [R*S]
+    logit_index: torch.Tensor  # [R*L] which of the R*S tokens go through the LM head
+
+    def copy_(self, other: "StepTensors") -> None:
+        for name in (f.name for f in fields(self)):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+
+
+class TensorKVView:
+    """The model's `KVCacheView` over tensors only (no host lists): what a traced graph can hold."""
+
+    def __init__(self, cache: KVCache, inputs: StepTensors) -> None:
+        self.cache, self.inputs = cache, inputs
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New keys/values [R, Hkv, S, D] into their slots."""
+        self.cache.keys[layer].index_copy_(0, self.inputs.write_slots, keys.transpose(1, 2).flatten(0, 1))
+        self.cache.values[layer].index_copy_(0, self.inputs.write_slots, values.transpose(1, 2).flatten(0, 1))
+
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q [R, Hq, S, D] -> [R, Hq, S, D]."""
+        return attention_backend.kernel_attention(self.cache.kernel, q, self.cache.keys[layer],
+                                                  self.cache.values[layer], self.inputs.block_tables,
+                                                  self.cache.blocks.block_size, self.inputs.query_rows,
+                                                  positions.flatten())
+
+
+def step_logits(model: Transformer, cache: KVCache, inputs: StepTensors) -> torch.Tensor:
+    """Logits [R*L, V] of the tokens `inputs.logit_index` names."""
+    hidden, _ = model.hidden_states(inputs.token_ids, inputs.positions, TensorKVView(cache, inputs))
+    picked = hidden.flatten(0, 1).index_select(0, inputs.logit_index)  # [R*L, H]
+    return model.logits(picked)
+
+
+class StaticStep:
+    def __init__(self, model: Transformer, cache: KVCache, max_len: int, mode: str = "eager", *,
+                 row_buckets: tuple[int, ...] = ROW_BUCKETS, token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
+        if mode not in MODES:
+            raise InvalidParameterError(f"step mode must be one of {MODES}, got {mode!r}")
+        if cache.kernel is None:
+            raise InvalidParameterError("a static step needs an attention kernel for this device and dtype")
+        if mode == "graph" and cache.keys.device.type != "cuda":
+            raise InvalidParameterError("step mode 'graph' captures CUDA graphs: it needs a CUDA device")
+        self.model, self.cache, self.mode = model, cache, mode
+        self.row_buckets, self.token_buckets = tuple(sorted(row_buckets)), tuple(sorted(token_buckets))
+        self.width = cache.blocks.blocks_for(max_len)  # blocks per row in every table
+        self.device = cache.keys.device
+        self.compilations = 0  # graphs compiled or captured: at most one per bucket
+        self._seen: set[Bucket] = set()
+        self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, StepTensors, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None  # one memory pool for all buckets
+        self._function = step_logits
+        if mode == "compile":
+            buckets = 2 * len(self.row_buckets) * len(self.token_buckets)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * buckets)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
+            self._function = torch.compile(step_logits, fullgraph=True, dynamic=False)
+
+    def fits(self, num_rows: int, num_tokens: int) -> bool:
+        return num_rows <= self.row_buckets[-1] and num_tokens <= self.token_buckets[-1]
+
+    def bucket(self, num_rows: int, num_tokens: int, all_logits: bool) -> Bucket:
+        rows = self.row_buckets[bisect.bisect_left(self.row_buckets, num_rows)]
+        tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
+        return rows, tokens, tokens if all_logits else 1
+
+    def prepare(self, bucket: Bucket, rows: list[int], token_ids: list[list[int]],
+                lengths: list[int]) -> StepTensors:
+        """The bucket's inputs: row b's token_ids[b] appended after its lengths[b] cached tokens
+        (the sequences' blocks already cover them)."""
+        num_rows, width, num_logits = bucket
+        blocks, size = self.cache.blocks, self.cache.blocks.block_size
+        tokens, positions, slots, tables, picks = [], [], [], [], []
+        for b in range(num_rows):
+            real = b < len(rows)
+            ids = token_ids[b] if real else []
+            start = lengths[b] if real else 0
+            table = blocks.tables[rows[b]] if real else []
+            tokens.append(ids + [0] * (width - len(ids)))
+            positions.append([start + s if s < len(ids) else start for s in range(width)])
+            slots += [table[(start + s) // size] * size + (start + s) % size if s < len(ids)
+                      else self.cache.scratch_slot for s in range(width)]
+            tables.append(table[:self.width] + [0] * (self.width - len(table)))
+            picks += [b * width + max(len(ids) - 1, 0)] if num_logits == 1 else [b * width + s for s in range(width)]
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        return StepTensors(as_tensor(tokens), as_tensor(positions), as_tensor(slots), as_tensor(tables),
+                           torch.arange(num_rows, device=self.device).repeat_interleave(width), as_tensor(picks))
+
+    def run(self, bucket: Bucket, inputs: StepTensors) -> torch.Tensor:
+        """Logits [R'*L', V] of the bucket (valid until the next run of the same bucket in "graph" mode)."""
+        if bucket not in self._seen:
+            self._seen.add(bucket)
+            self.compilations += self.mode != "eager"
+        if self.mode != "graph":
+            return self._function(self.model, self.cache, inputs)
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(inputs)
+        graph, static_inputs, static_logits = self._graphs[bucket]
+        static_inputs.copy_(inputs)
+        graph.replay()
+        return static_logits
+
+    def _capture(self, inputs: StepTensors) -> tuple[torch.cuda.CUDAGraph, StepTensors, torch.Tensor]:
+        """Capture the bucket's step on a side stream, after one warm-up run (Triton compiles its
+        kernels there; nothing may allocate or synchronize inside the capture). The warm-up runs on
+        the real inputs: its writes are the step's own."""
+        static_inputs = StepTensors(*(getattr(inputs, f.name).clone() for f in fields(inputs)))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step_logits(self.model, self.cache, static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_logits = step_logits(self.model, self.cache, static_inputs)
+        return graph, static_inputs, static_logits

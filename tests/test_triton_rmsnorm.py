@@ -1,0 +1,55 @@
+"""The Triton RMSNorm (the GPU's): against the torch path and for batch invariance (a row's output
+alone equals its output among others), in Triton's interpreter on the CPU (fp32: the interpreter
+has no bf16) and on CUDA where there is one (bf16 and fp32)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent("""
+    import torch
+    from draftwise.model.layers import RMSNorm
+    from draftwise.model.triton_rmsnorm import rms_norm
+    device, dtype = "{device}", getattr(torch, "{dtype}")
+    torch.manual_seed(0)
+    norm = RMSNorm(1536, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(1536))
+    norm = norm.to(device, dtype)
+    x = (3 * torch.randn(6, 9, 1536)).to(device, dtype)
+    together = rms_norm(x, norm.weight, norm.eps)
+    x32 = x.float()
+    reference = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(dtype)
+    worst = float((together.float() - reference.float()).abs().max())
+    assert worst < (1e-5 if dtype == torch.float32 else 0.05), worst
+    for r in range(6):
+        for s in (0, 4, 8):
+            assert torch.equal(rms_norm(x[r:r + 1, s:s + 1], norm.weight, norm.eps), together[r:r + 1, s:s + 1]), (r, s)
+            assert torch.equal(rms_norm(x[r:r + 1, :s + 1], norm.weight, norm.eps), together[r:r + 1, :s + 1]), (r, s)
+    if device == "cuda":  # the module takes the kernel on CUDA
+        assert torch.equal(norm(x), together)
+    print("ok", worst)
+""")
+
+
+def run_check(device: str, dtype: str, env: dict) -> None:
+    result = subprocess.run([sys.executable, "-c", CHECK.format(device=device, dtype=dtype)], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+
+
+def test_the_triton_rmsnorm_in_the_interpreter():
+    run_check("cpu", "float32", {**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_triton_rmsnorm_on_cuda(dtype):
+    run_check("cuda", dtype, dict(os.environ))
