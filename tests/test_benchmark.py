@@ -7,6 +7,7 @@ import math
 import os
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,3 +322,24 @@ def test_abuse_suite_holds_ordinary_streams_beside_a_hostile_burst(settings):
     assert hostile["health_probes"] > 0 and hostile["health_not_200"] == 0
     assert "| ordinary texts equal to the quiet phase's | 4/4 |" in report.markdown
     assert "| hostile requests answered wrongly | 0 |" in report.markdown
+
+
+def test_gpu_suite_on_the_cpu(tmp_path, tiny_qwen):
+    """The device suite runs on any device: here the CPU, the static step (mode eager) against the
+    eager path and its control; self-drafting accepts everything and equals plain at 1, 8 and 32
+    rows; cost models land where `draftwise plan --costs` reads them."""
+    from draftwise.speculative.control.cost_model import CostModel
+
+    settings = BenchSettings(output=tmp_path / "out", model=str(tiny_qwen), levels=(1, 4), step_mode="eager",
+                             reference=tmp_path / "graph_step.py", progress=False)
+    report = run_suite("gpu", settings)
+    data = report.data
+    assert data["step_mode"] == "eager" and set(data["step_seconds"]) == {1, 4}
+    assert set(data["verify_seconds"]) == {1, 2, 4, 8, 16, 32, 64}
+    assert all(set(s) == {"step", "eager", "eager (control)"} for s in data["step_seconds"].values())
+    for rows, result in data["self_drafting"].items():
+        assert result["acceptance"] == 1.0 and result["equal"] == result["requests"] == rows and result["drafted"]
+    assert set(data["costs"]) == {"plain", "ngram"}
+    assert all(CostModel.read(Path(path)) is not None for path in data["costs"].values())
+    assert "the reference step needs CUDA" in report.markdown and "not run (--peers hf)" in report.markdown
+    assert "Control: `eager (control)`" in report.markdown

@@ -117,6 +117,24 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     assert json.loads(paths["json"].read_text())["requests"] == 4
     assert paths["plot"].stat().st_size > 0 and "| concurrency |" in render(plan)
 
+    # The same plan predicted again with another device's costs (`draftwise plan --from-plan --costs`):
+    # where verification and drafting are free, the target drafting for itself pays; where a pass
+    # costs as many steps as it has tokens, nothing does.
+    from draftwise.planner.on_device import predict_on_device, render_device_prediction
+    from draftwise.speculative.control.cost_model import CostModel
+
+    for folder, costs in (("free", CostModel({1: 0.01, 64: 0.01}, {1: 0.0, 8: 0.0})),
+                          ("linear", CostModel({1: 0.01, 64: 0.64}, {1: 0.01, 8: 0.08}))):
+        for name in ("plain", "draft", "ngram"):
+            costs.write(tmp_path / folder / f"{name}.json")
+    free = predict_on_device(paths["json"], tmp_path / "free")
+    assert free.best[1]["config"].startswith("draft") and free.best[1]["speedup"] > 2 and not free.missing
+    linear = predict_on_device(paths["json"], tmp_path / "linear")
+    assert all(b["config"] == "plain" for b in linear.best.values()) and linear.switch_off_at == 1
+    (tmp_path / "free" / "ngram.json").unlink()
+    partial = predict_on_device(paths["json"], tmp_path / "free")
+    assert partial.missing == ["ngram"] and "Not predicted" in render_device_prediction(partial)
+
 
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
     from draftwise.errors import InvalidParameterError

@@ -33,7 +33,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--all-turns", action="store_true", help="Spec-Bench: every turn, not just the first")
     bench.add_argument("--max-model-len", type=int, default=4096)
     bench.add_argument("--peers", choices=["hf"], default=None,
-                       help="speculative: also run Hugging Face transformers on the same GGUF weights")
+                       help="speculative: also run Hugging Face transformers on the same GGUF weights; "
+                            "gpu: its eager forward beside the step")
     bench.add_argument("--levels", default=None,
                        help="concurrency: requests in flight (default 1,2,4,8,16); server-load: clients (1,4,16)")
     bench.add_argument("--requests", type=int, default=16, help="concurrency, server-load: requests per level")
@@ -43,6 +44,13 @@ def add_parser(commands) -> None:
     bench.add_argument("--formats", default=None,
                        help="plain, quantization: FORMAT or FORMAT:pytorch, comma-separated, the first the baseline")
     bench.add_argument("--eval-tokens", type=int, default=1536, help="quantization: tokens of the quality sample")
+    bench.add_argument("--device", default=None, help="gpu: cpu, cuda, cuda:N (default: cuda if present)")
+    bench.add_argument("--dtype", default=None, help="gpu: float32, bfloat16 (default: bf16 on CUDA)")
+    bench.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="gpu: dummy = random weights of the model's shape (config.json + tokenizer suffice)")
+    bench.add_argument("--step-mode", default="auto", choices=["auto", "eager", "compile", "graph"],
+                       help="gpu: the step under test (auto: CUDA graphs on CUDA)")
+    bench.add_argument("--reference", default=None, help="gpu: a reference step script run beside (CUDA)")
     bench.add_argument("--in-process", action="store_true",
                        help="build every config in this process (quicker start; LLMs built one after another "
                             "in one process run a few percent apart)")
@@ -67,8 +75,8 @@ def run(args: argparse.Namespace) -> None:
         from draftwise.benchmark.configs import default_configs
 
         methods = default_configs()
-    if args.peers and args.suite != "speculative":
-        raise InvalidParameterError("--peers runs beside the speculative suite only")
+    if args.peers and args.suite not in ("speculative", "gpu"):
+        raise InvalidParameterError("--peers runs beside the speculative and gpu suites only")
     for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens", "hostile"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")
@@ -79,7 +87,9 @@ def run(args: argparse.Namespace) -> None:
         peers=(args.peers,) if args.peers else (), isolation="in-process" if args.in_process else "process",
         max_model_len=args.max_model_len, levels=_levels(args.levels), requests=args.requests,
         fixed_k=args.fixed_k, formats=tuple(f for f in args.formats.split(",") if f) if args.formats else None,
-        eval_tokens=args.eval_tokens, time_limit=args.time_limit, hostile=args.hostile,
+        eval_tokens=args.eval_tokens, time_limit=args.time_limit, hostile=args.hostile, device=args.device,
+        dtype=args.dtype, load_format=args.load_format, step_mode=args.step_mode,
+        reference=Path(args.reference) if args.reference else None,
         serve_arguments=speculative_arguments)
     report = run_suite(args.suite, settings)
     paths = write_outputs(report, settings.output)

@@ -16,7 +16,11 @@ def add_parser(commands) -> None:
 
     defaults = ",".join(spec.name for spec in all_specs() if spec.benchmark_by_default)
     plan = commands.add_parser("plan", help="predict, from your traffic, whether speculation pays at your concurrency")
-    plan.add_argument("--traffic", required=True, help="JSONL: one request per line (prompt, messages or turns)")
+    plan.add_argument("--traffic", default=None, help="JSONL: one request per line (prompt, messages or turns)")
+    plan.add_argument("--from-plan", default=None, metavar="PLAN_JSON",
+                      help="predict a saved plan again with --costs (measured on another device): no traffic run")
+    plan.add_argument("--costs", default=None, metavar="DIR",
+                      help="with --from-plan: cost models written by `draftwise bench --suite gpu` (<output>/costs)")
     plan.add_argument("--model", default=DEFAULT_TARGET)
     plan.add_argument("--drafters", default=defaults, help="comma-separated registered drafters")
     plan.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels to predict")
@@ -51,6 +55,10 @@ def run(args: argparse.Namespace) -> None:
     from draftwise.planner.report import render, write
     from draftwise.speculative.registry import drafter_spec
 
+    if args.from_plan or args.costs:
+        return run_on_device(args)
+    if not args.traffic:
+        raise InvalidParameterError("--traffic is required (or --from-plan with --costs)")
     drafters = tuple(d for d in args.drafters.split(",") if d)
     if not drafters:
         raise InvalidParameterError("--drafters must name at least one drafter")
@@ -66,3 +74,21 @@ def run(args: argparse.Namespace) -> None:
     paths = write(plan, Path(args.output))
     print(render(plan))
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+
+
+def run_on_device(args: argparse.Namespace) -> None:
+    import json
+    from dataclasses import asdict
+
+    from draftwise.planner.on_device import predict_on_device, render_device_prediction
+
+    if not (args.from_plan and args.costs):
+        raise InvalidParameterError("--from-plan and --costs go together")
+    prediction = predict_on_device(Path(args.from_plan), Path(args.costs))
+    text = render_device_prediction(prediction)
+    folder = Path(args.output)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "device-plan.json").write_text(json.dumps(asdict(prediction), indent=1, default=str))
+    (folder / "device-plan.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwritten: {folder / 'device-plan.json'}, {folder / 'device-plan.md'}")

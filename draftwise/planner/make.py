@@ -62,7 +62,8 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options)
     best, switch_off = recommend(predictions, options.concurrency)
     plan = Plan(asdict(options), len(requests), segment_counts(requests), predictions, best, switch_off,
-                drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration)
+                drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration,
+                sample_requests=[asdict(r) for r in requests])
     if options.validate:
         plan.validation = validate(llm, items, requests, plan, options, progress)
     return plan

@@ -56,6 +56,7 @@ class Plan:
     cost_per_day: dict[int, dict] | None
     calibration: float = 1.0  # real plain run / simulated plain run at concurrency 1
     validation: list[dict] = field(default_factory=list)
+    sample_requests: list[dict] = field(default_factory=list)  # the sampled requests' lengths (`Request`s)
 
 
 def scaled(costs: CostModel, factor: float) -> CostModel:

@@ -22,6 +22,7 @@ SUITES = {
     "quantization": ("quantization", "weight formats (fp32, int8, int4, kernel paths): speed and quality"),
     "drafting-options": ("drafting_options", "trimmed draft head, confidence stop, randomized drafting"),
     "abuse": ("abuse", "ordinary streams beside a burst of hostile requests: what was held and lost"),
+    "gpu": ("gpu", "one device (--device cuda): step at 1-64 rows vs the bound, verify curve, self-drafting, costs"),
 }
 
 
@@ -48,6 +49,11 @@ class BenchSettings:
     eval_tokens: int = 1536  # quantization: tokens of the quality sample
     time_limit: float = 900.0  # server-load: seconds per level and config, at most
     hostile: int = 500  # abuse: hostile requests sent beside the ordinary streams
+    device: str | None = None  # gpu: the device (None: cuda if present)
+    dtype: str | None = None  # gpu: the dtype (None: bf16 on CUDA, fp32 on the CPU)
+    load_format: str = "auto"  # gpu: "dummy" for random weights of the model's shape
+    step_mode: str = "auto"  # gpu: the step under test (`LLM`'s step_mode)
+    reference: Path | None = None  # gpu: a reference step script (../shared/gpu/graph_step.py)
     # server-load: the `draftwise serve` flags of a speculative dict (the CLI's, which owns the flags)
     serve_arguments: Callable[[dict | None], list[str]] | None = None
     progress: bool = True
