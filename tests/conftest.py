@@ -27,6 +27,8 @@ def drafting_pays(monkeypatch):
     from tests.drafting import DRAFTING_PAYS
 
     monkeypatch.setattr("draftwise.speculative.drafter.load_or_measure", lambda *args, **kwargs: DRAFTING_PAYS)
+    # ... and keep them: costs learned from this machine's steps would replace them while serving
+    monkeypatch.setattr("draftwise.speculative.drafter.live_costs", lambda *args, **kwargs: DRAFTING_PAYS)
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,8 @@ def test_controller_backs_off_probes_and_recovers():
 
 def test_an_idle_estimate_drifts_back_to_the_long_run_mean():
     """A drafter good on the whole (long-run acceptance 0.8) returns after a bad stretch without
-    waiting for a probe; one that never pays (0.1) stays off between probes."""
+    a probe's evidence (within two probe intervals: its rate must drift back far enough for the
+    lower bound to clear the bar); one that never pays (0.1) drafts only its probes."""
     model = costs()
     for long_run, returns in ((0.8, True), (0.1, False)):
         estimate = AcceptanceEstimate.prior(4, 0.5)
@@ -103,32 +104,42 @@ def test_an_idle_estimate_drifts_back_to_the_long_run_mean():
         for _ in range(8):  # a bad stretch
             controller.observe(1, 0)
         assert controller.choose() == 0
-        later = [controller.choose() for _ in range(first_probe_interval(model) - 2)]
-        assert any(later) == returns
+        drafted_without_probing = []
+        for _ in range(2 * first_probe_interval(model)):
+            k = controller.choose()
+            drafted_without_probing.append(k > 0 and not controller._probing)
+        assert any(drafted_without_probing) == returns
 
 
 def test_a_position_not_tried_recovers_and_the_best_k_is_found():
-    """I.i.d. acceptance 0.8 on a cost model where k = 2 or 3 is best. One rejection at position 2
-    must not settle the controller on k = 1 for good: untried positions drift back."""
+    """I.i.d. acceptance 0.8 on a cost model where k = 2 is best. One rejection at position 2 must
+    not settle the controller on k = 1 for good (untried positions drift back), and plain steps
+    taken for want of confidence must stay rare: over 10 runs, after 200 steps of learning, the
+    controller's goodput is within 5% of the best fixed k's on average (10% in the worst run)."""
     import random
+    import statistics
 
     model = costs(per_extra_token=0.010, draft_per_token=0.020)
     alpha = 0.8
     best = best_num_tokens([alpha] * 8, model, 8)
     assert best >= 2
-    controller = GoodputController(model, 8, AcceptanceEstimate.prior(8, alpha))
-    rng = random.Random(0)
-    choices = []
-    for _ in range(600):
-        k = controller.choose()
-        accepted = 0
-        while accepted < k and rng.random() < alpha:
-            accepted += 1
-        controller.observe(k, accepted)
-        choices.append(k)
-    late = choices[200:]
-    assert sum(k >= 2 for k in late) > 0.7 * len(late), {k: late.count(k) for k in set(late)}
-    assert abs(controller.estimate.means[1] - alpha) < 0.1
+    ideal = expected_tokens([alpha] * 8, best) / model.step_seconds(best)
+    ratios = []
+    for seed in range(10):
+        controller = GoodputController(model, 8, AcceptanceEstimate.prior(8, alpha))
+        rng = random.Random(seed)
+        tokens = seconds = 0.0
+        for step in range(600):
+            k = controller.choose()
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            controller.observe(k, accepted)
+            if step >= 200:
+                tokens, seconds = tokens + accepted + 1, seconds + model.step_seconds(k)
+        ratios.append(tokens / seconds / ideal)
+        assert abs(controller.estimate.means[1] - alpha) < 0.1
+    assert statistics.mean(ratios) > 0.95 and min(ratios) > 0.9, ratios
 
 
 def test_a_probe_with_nothing_to_propose_is_retried_at_once():

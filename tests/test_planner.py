@@ -85,7 +85,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
 
     monkeypatch.setenv(PROFILES_ENV, str(tmp_path / "profiles"))  # profiles measured on the fake clock stay here
     WorkClock(monkeypatch, "draftwise.speculative.control.profile", "draftwise.engine.sequence",
-              "draftwise.llm.closed_loop")
+              "draftwise.engine.engine", "draftwise.llm.closed_loop")
 
     traffic = tmp_path / "traffic.jsonl"
     rows = [{"prompt": "def add(a, b):", "segment": "code"}, {"prompt": "for i in range(3):", "segment": "code"},

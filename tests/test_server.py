@@ -1,6 +1,7 @@
 """The OpenAI-compatible server on loopback, driven by the official `openai` client (tiny model)."""
 
 import json
+import re
 import time
 
 import httpx
@@ -12,9 +13,20 @@ uvicorn = pytest.importorskip("uvicorn")
 from draftwise import LLM, SamplingParams  # noqa: E402
 from draftwise.server.app import ServerOptions  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
+from draftwise.speculative.control.live_costs import LiveCostModel  # noqa: E402
 from tests.drafting import DRAFTING_PAYS  # noqa: E402
 
 MODEL = "tiny"
+
+
+class PredictingOnly(LiveCostModel):
+    """Live costs that predict each step (for the metrics) but keep planning with their prior."""
+
+    def _refit_target(self) -> None:
+        pass
+
+    def observe_draft(self, *args, **kwargs) -> None:
+        pass
 
 
 def served_llm(tiny_qwen):
@@ -22,6 +34,8 @@ def served_llm(tiny_qwen):
     on the tiny model may say it never does; then no comparison below would involve a draft)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("draftwise.speculative.drafter.load_or_measure", lambda *args, **kwargs: DRAFTING_PAYS)
+        patch.setattr("draftwise.speculative.drafter.live_costs",
+                      lambda target, proposer, config: PredictingOnly(DRAFTING_PAYS))
         return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
                    speculative={"method": "ngram", "num_speculative_tokens": 3})
 
@@ -160,6 +174,12 @@ def test_metrics_count_speculation_per_segment(server):
     assert "draftwise:request_success_total" in text
     assert 'draftwise:spec_decode_num_draft_tokens_total{method="ngram",model_name="tiny",segment="code-completion"}' in text
     assert "draftwise:time_to_first_token_seconds_bucket" in text and "draftwise:kv_cache_usage_perc" in text
+    steps = re.search(r'^draftwise:decode_steps_total\{model_name="tiny"\} ([0-9.]+)', text, re.M)
+    drafting = re.search(r'^draftwise:spec_decode_drafting_steps_total\{model_name="tiny"\} ([0-9.]+)', text, re.M)
+    assert steps and drafting and 0 < float(drafting.group(1)) <= float(steps.group(1))
+    predictions = re.search(r'^draftwise:spec_decode_step_time_predicted_over_observed_count\{model_name="tiny"\} '
+                            r'([0-9.]+)', text, re.M)
+    assert predictions and float(predictions.group(1)) > 0  # the adaptive drafter's live costs predicted steps
 
 
 def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference, llm):

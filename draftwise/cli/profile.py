@@ -14,6 +14,9 @@ def add_parser(commands) -> None:
     profile = commands.add_parser("profile", help="measure (or show the cached) costs speculation is planned with")
     add_model_arguments(profile)
     profile.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    profile.add_argument("--live", type=int, default=0, metavar="TOKENS",
+                         help="then generate TOKENS tokens and show the costs learned from those steps beside the "
+                              "profile's (what the adaptive controller plans with while serving)")
     profile.set_defaults(run=run)
 
 
@@ -29,6 +32,8 @@ def run(args: argparse.Namespace) -> None:
     costs = llm.measure_costs(proposer, llm.speculative, refresh=args.refresh)
     print(f"cost model: {costs.key}\n")
     print(costs.table())
+    if args.live:
+        print(live_table(llm, costs, args.live))
     if speculative is None:
         return
     k_max = args.num_speculative_tokens
@@ -40,3 +45,32 @@ def run(args: argparse.Namespace) -> None:
         k = best_num_tokens(rates, costs, k_max)
         tokens = expected_tokens(rates, k)
         print(f"| {rate:.2f} | {k} | {tokens:.2f} | {tokens / costs.step_seconds(k) * plain:.2f}x |")
+
+
+def live_table(llm, prior, num_tokens: int) -> str:
+    """Generate `num_tokens` tokens (greedy, EOS ignored) feeding a live cost model with every step,
+    and show prior and live costs side by side."""
+    from draftwise.sampling.params import SamplingParams
+    from draftwise.speculative.control.live_costs import LiveCostModel
+    from draftwise.speculative.control.profile import _SAMPLE_TEXT
+
+    live = LiveCostModel(prior)
+
+    llm.timing_listeners.append(live.observe_step)
+    try:
+        llm.generate(_SAMPLE_TEXT, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+    finally:
+        llm.timing_listeners.remove(live.observe_step)
+    summary = live.summary()
+    lines = [f"\nLive costs after {num_tokens} generated tokens (the profile is their prior; points without "
+             f"samples of their own move with the median ratio of all):\n",
+             "| n | profile ms | live ms | live / profile | samples |", "|---|---|---|---|---|"]
+    for n, row in summary["target"].items():
+        lines.append(f"| {n} | {row['prior'] * 1e3:.1f} | {row['live'] * 1e3:.1f} | {row['live'] / row['prior']:.2f} "
+                     f"| {row['samples']} |")
+    if summary["drafter"]:
+        lines += ["", "| k | drafter profile ms | live ms |", "|---|---|---|"]
+        lines += [f"| {k} | {row['prior'] * 1e3:.1f} | {row['live'] * 1e3:.1f} |" for k, row in summary["drafter"].items()]
+    if live.prior_dropped:
+        lines.append("\nThe profile is far from the live plain step: it has been dropped from the cache.")
+    return "\n".join(lines)

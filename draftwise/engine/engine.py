@@ -22,9 +22,11 @@ import torch
 from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
+from draftwise.engine.step_timing import DraftCall, StepCounters, StepTiming
 from draftwise.errors import InvalidParameterError, KVCacheFullError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
+from draftwise.speculative.control.live_costs import LiveCostModel
 from draftwise.speculative.drafter import Drafter
 from draftwise.speculative.proposer import Draft
 from draftwise.speculative.verify import verify
@@ -42,6 +44,10 @@ class Engine:
         self.default_method = default_method  # what requests that do not say use
         self.scheduler = Scheduler(runner.blocks, max_num_seqs, self._step_tokens(), self._release_state)
         self.last_num_tokens: dict[str, float] = {}  # method -> mean k over its rows in the last step
+        self.counters = StepCounters()
+        self.timing_listeners: list = []  # callables taking each step's `StepTiming`
+        self._draft_calls: dict[str, DraftCall] = {}
+        self._target_pass: tuple[int, float] = (0, 0.0)  # tokens, seconds of the step's target pass
 
     def add_drafter(self, method: str, drafter: Drafter) -> None:
         self.drafters[method] = drafter
@@ -81,12 +87,14 @@ class Engine:
 
     def _run(self, batch: list[Sequence], is_prefill: bool) -> None:
         """The step proper: propose, verify in one target pass, commit, feed back."""
+        self._draft_calls = {}
         if is_prefill:
             batch[0].row = self.runner.allocate()
             drafts, skipped = [Draft([])], [False]
         else:
             drafts, skipped = self._propose(batch)
         num_accepted = self._verify_and_commit(batch, drafts, skipped)
+        self._learn_timing(StepTiming(is_prefill, *self._target_pass, self._draft_calls))
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             drafter.proposer.on_verified([batch[b] for b in rows], [num_accepted[b] for b in rows])
@@ -142,7 +150,8 @@ class Engine:
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
-            choices = drafter.draft_length.num_tokens(seqs, [drafter.proposer.lag(seq) for seq in seqs], len(batch))
+            lags = [drafter.proposer.lag(seq) for seq in seqs]
+            choices = drafter.draft_length.num_tokens(seqs, lags, len(batch))
             # Never draft past what the request may still emit: the verification adds one token.
             num_tokens = [max(0, min(k, seq.num_tokens_left - 1, seq.max_draft_tokens or k))
                           for k, seq in zip(choices, seqs)]
@@ -156,6 +165,7 @@ class Engine:
             start = time.perf_counter()
             proposals = drafter.proposer.propose(seqs, num_tokens)
             elapsed = time.perf_counter() - start
+            self._draft_calls[method] = DraftCall(num_tokens, elapsed, lags)
             for b, draft in zip(rows, proposals):
                 drafts[b] = draft
                 batch[b].metrics.spec.draft_seconds += elapsed
@@ -188,6 +198,7 @@ class Engine:
         output_ids = verified.output_token_ids.tolist()  # the step's one host sync
         num_accepted = verified.num_accepted.tolist()
         elapsed = time.perf_counter() - start
+        self._target_pass = (sum(map(len, new_tokens)), elapsed)
         for seq, tokens, accepted, drafted, skip in zip(batch, output_ids, num_accepted, num_draft, skipped):
             seq.append(tokens[:accepted + 1])
             # Roll back: the cache keeps every committed token but the newest (fed next step).
@@ -197,6 +208,30 @@ class Engine:
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
+
+    def _learn_timing(self, timing: StepTiming) -> None:
+        """Count the step; note how well the adaptive drafters' live costs predicted it, then teach
+        them what it took (the target's pass to all, each drafter's call to its own); hand it to
+        the listeners."""
+        live = {method: d.costs for method, d in self.drafters.items() if isinstance(d.costs, LiveCostModel)}
+        if not timing.is_prefill:
+            self.counters.decode_steps += 1
+            self.counters.drafting_steps += any(any(call.num_tokens) for call in timing.drafts.values())
+            if live and all(method in live for method in timing.drafts):
+                some = next(iter(live.values()))
+                predicted = some.target_seconds(timing.num_tokens) + sum(
+                    live[method].call_seconds(call.num_tokens, call.lags) for method, call in timing.drafts.items())
+                observed = timing.target_seconds + sum(call.seconds for call in timing.drafts.values())
+                if observed > 0:
+                    self.counters.predicted_over_observed.append(predicted / observed)
+        for costs in live.values():  # (a prefill asks for one token's logits: it is no verification)
+            if not timing.is_prefill:
+                costs.observe_target(timing.num_tokens, timing.target_seconds)
+        for method, call in timing.drafts.items():
+            if method in live:
+                live[method].observe_draft(call.num_tokens, call.seconds, call.lags)
+        for listener in self.timing_listeners:
+            listener(timing)
 
     def _draft_rate(self, seq: Sequence) -> float:
         """Randomized drafting's a for this row: its drafter's for unseeded sampled rows, 1 otherwise

@@ -94,6 +94,7 @@ class LLM:
                                   block_size=block_size, step_mode=None if enforce_eager else step_mode)
         self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
                              self.max_model_len, progress, load_format)
+        self.timing_listeners: list = []  # callables taking every engine step's `StepTiming` (any engine)
         self._install(config)
         self._request_ids = itertools.count()
         self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish
@@ -117,6 +118,7 @@ class LLM:
         self.cost_model: CostModel | None = None
         self.engine = Engine(self.runner, max_num_seqs=self.max_num_seqs,
                              default_method=config.method if config is not None else None)
+        self.engine.timing_listeners = self.timing_listeners  # shared: they outlive a change of drafter
         if config is not None:
             drafter = build_drafter(config, self.target)
             self.engine.add_drafter(config.method, drafter)
@@ -269,7 +271,10 @@ class LLM:
         blocks = self.runner.blocks
         return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_blocks": blocks.num_blocks, "kv_blocks_in_use": blocks.num_blocks - blocks.num_free_blocks,
-                "current_k": dict(self.engine.last_num_tokens)}
+                "current_k": dict(self.engine.last_num_tokens),
+                "decode_steps": self.engine.counters.decode_steps,
+                "drafting_steps": self.engine.counters.drafting_steps,
+                "predicted_over_observed": self.engine.counters.drain_ratios()}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)

@@ -4,11 +4,16 @@
    time: prompt and output lengths, and the time it took.
 2. For each drafter, run the sample again at a fixed k to measure acceptance per segment
    (`measure.py`), and load (or measure) the machine's cost model for target and drafter.
-3. Calibrate: the cost model times bare forward passes over a 256-token context; a real step also
-   samples, schedules and detokenizes, and attends over longer contexts. The plain run of step 1 is
-   exactly "plain decoding at concurrency 1", so every cost is scaled by measured / simulated time
-   of that run (printed as the calibration factor). Then simulate closed-loop serving at each
-   concurrency (`simulate.py`): plain decoding, each drafter adaptive (k <= k_max) and every fixed k.
+3. Calibrate, per n and per drafter: the profile times bare forward passes over a 256-token
+   context, once; the runs of steps 1 and 2 time every real pass. Each profile is the prior of
+   live costs (`speculative.control.live_costs`) fed with those runs' steps, so a target pass over
+   n tokens costs what such passes cost in the runs, and each drafter's calls what they cost. What
+   a step costs beyond its timed pass (scheduling, detokenizing) is one constant per step: the
+   plain run's real time minus its simulation, over its steps (printed). (It was one factor
+   applied to everything, which made the dearer passes of speculation dearer still: held-out
+   traffic was predicted at 0.83-0.88x where the engine measured 0.99-1.15x.) Then simulate
+   closed-loop serving at each concurrency (`simulate.py`): plain decoding, each drafter
+   adaptive (k <= k_max) and every fixed k.
 4. Recommend, per concurrency, the fastest configuration; the concurrency from which speculation
    stops paying (no config 2% above plain); the memory a drafter costs (its weights and KV cache,
    and how many fewer sequences fit in the same KV budget); and the cost per day.
@@ -25,14 +30,15 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from draftwise.llm import LLM
-from draftwise.planner.measure import measure_acceptance, plain_requests
+from draftwise.planner.measure import listening, measure_acceptance, plain_requests
 from draftwise.planner.memory import memory_report
-from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, predict, recommend, scaled,
+from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, predict, recommend,
                                     segment_counts, speculative_dict)
 from draftwise.planner.simulate import Policy, simulate
 from draftwise.traffic import read_traffic
 from draftwise.planner.validate import validate
 from draftwise.speculative.config import SpeculativeConfig
+from draftwise.speculative.control.live_costs import LiveCostModel
 
 
 def make_plan(options: PlanOptions, progress=print) -> Plan:
@@ -41,18 +47,30 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")
-    requests, plain_seconds = plain_requests(llm, items)
-    plain_costs = llm.measure_costs(None, None)
-    calibration = plain_seconds / simulate(plain_costs, requests, {}, Policy(0), 1, expected=True).seconds
-    progress(f"calibration: real steps take {calibration:.2f}x the profiled forward passes")
-    plain_costs = scaled(plain_costs, calibration)
+    live_plain = LiveCostModel(llm.measure_costs(None, None))
+    with listening(llm, live_plain.observe_step):
+        requests, plain_seconds = plain_requests(llm, items)
+    simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True).seconds
+    calibration = plain_seconds / simulated
+    overhead = max(0.0, plain_seconds - simulated) / sum(r.output_tokens for r in requests)  # per step
+    progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass "
+             f"(the passes themselves as timed while running)")
+    plain_costs = live_plain.with_overhead(overhead)
     drafters, costs_by_method, acceptance_by_method = [], {}, {}
     for method in options.drafters:
         progress(f"measuring {method} acceptance at k = {options.max_k}")
-        acceptance = measure_acceptance(llm, items, speculative_dict(method, options), options.max_k)
-        proposer = llm.engine.drafters[method].proposer
         config = SpeculativeConfig.from_value({**speculative_dict(method, options), "num_speculative_tokens": options.max_k})
-        costs_by_method[method] = scaled(llm.measure_costs(proposer, config), calibration)
+        live: dict[str, LiveCostModel] = {}
+
+        def listen_to_drafter(method=method, config=config, live=live):
+            # the drafter's profile is the prior; its runs' steps (target passes, drafter calls) the evidence
+            live["costs"] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config))
+            return live["costs"].observe_step
+
+        acceptance = measure_acceptance(llm, items, speculative_dict(method, options), options.max_k,
+                                        listen_to_drafter)
+        proposer = llm.engine.drafters[method].proposer
+        costs_by_method[method] = live["costs"].with_overhead(overhead)
         acceptance_by_method[method] = acceptance
         footprint = proposer.footprint()
         drafters.append(DrafterFacts(method, {s: asdict(a) for s, a in acceptance.items()}, footprint.weights_bytes,
@@ -63,7 +81,7 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     best, switch_off = recommend(predictions, options.concurrency)
     plan = Plan(asdict(options), len(requests), segment_counts(requests), predictions, best, switch_off,
                 drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration,
-                sample_requests=[asdict(r) for r in requests])
+                sample_requests=[asdict(r) for r in requests], step_overhead_seconds=overhead)
     if options.validate:
         plan.validation = validate(llm, items, requests, plan, options, progress)
     return plan

@@ -10,6 +10,9 @@ drafter rarely reaches keep the last well-measured rate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import contextmanager
+
 from draftwise.llm import LLM
 from draftwise.planner.simulate import Acceptance, Request
 from draftwise.traffic import TrafficItem
@@ -32,16 +35,34 @@ def plain_requests(llm: LLM, items: list[TrafficItem]) -> tuple[list[Request], f
     return requests, seconds
 
 
-def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int) -> dict[str, Acceptance]:
-    """Per segment: the drafter's conditional acceptance rates at a fixed k (and how often it proposes)."""
+def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int,
+                       listener_after_install: Callable[[], Callable] | None = None) -> dict[str, Acceptance]:
+    """Per segment: the drafter's conditional acceptance rates at a fixed k (and how often it
+    proposes). `listener_after_install`, called once the drafter is installed, returns a listener
+    for the runs' step timings."""
     llm.set_speculative({**speculative, "num_speculative_tokens": k, "adaptive": False}, progress=False)
+    listener = listener_after_install() if listener_after_install is not None else None
     by_segment: dict[str, SpecMetrics] = {}
-    for item in items:
-        output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens),
-                              segment=item.segment or None)[0]
-        if output.metrics.spec is not None:
-            by_segment.setdefault(item.segment, SpecMetrics()).merge(output.metrics.spec)
+    with listening(llm, listener):
+        for item in items:
+            output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens),
+                                  segment=item.segment or None)[0]
+            if output.metrics.spec is not None:
+                by_segment.setdefault(item.segment, SpecMetrics()).merge(output.metrics.spec)
     return {segment: acceptance_from(metrics) for segment, metrics in by_segment.items()}
+
+
+@contextmanager
+def listening(llm: LLM, listener: Callable | None):
+    """The engine's step timings go to `listener` (if any) meanwhile."""
+    if listener is None:
+        yield
+        return
+    llm.timing_listeners.append(listener)
+    try:
+        yield
+    finally:
+        llm.timing_listeners.remove(listener)
 
 
 def acceptance_from(metrics: SpecMetrics) -> Acceptance:

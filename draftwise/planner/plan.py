@@ -57,6 +57,7 @@ class Plan:
     calibration: float = 1.0  # real plain run / simulated plain run at concurrency 1
     validation: list[dict] = field(default_factory=list)
     sample_requests: list[dict] = field(default_factory=list)  # the sampled requests' lengths (`Request`s)
+    step_overhead_seconds: float = 0.0  # what a real step costs beyond its timed target pass
 
 
 def scaled(costs: CostModel, factor: float) -> CostModel:

@@ -14,7 +14,8 @@ def render(plan: Plan) -> str:
     options = plan.options
     lines = [f"Traffic: {options['traffic']} ({plan.requests} sampled requests; segments: "
              + ", ".join(f"{s or '(none)'} {n}" for s, n in plan.segments.items())
-             + f"). Calibration: real steps take {plan.calibration:.2f}x the profiled forward passes.", ""]
+             + f"). Calibration: costs as timed while running (per n and drafter), plus "
+             f"{plan.step_overhead_seconds * 1e3:.1f} ms per step beyond the timed pass.", ""]
     lines += ["| concurrency | plain tok/s | plain p95 s | recommended | tok/s | speedup | p95 s |",
               "|---|---|---|---|---|---|---|"]
     for i, c in enumerate(options["concurrency"]):

@@ -13,6 +13,7 @@ from draftwise.engine.outputs import RequestOutput
 from draftwise.speculative.control.policy import MAX_SEGMENTS
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PREDICTION_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 
 class ServerMetrics:
@@ -53,6 +54,14 @@ class ServerMetrics:
                                         spec_labels + ["position"], registry=r)
         self.current_k = Gauge("draftwise:spec_decode_current_k", "Mean tokens drafted per row in the last step.",
                                ["model_name", "method"], registry=r)
+        self.decode_steps = Counter("draftwise:decode_steps", "Decoding steps (prefills not counted).", labels,
+                                    registry=r)
+        self.drafting_steps = Counter("draftwise:spec_decode_drafting_steps",
+                                      "Decoding steps in which some row carried a draft.", labels, registry=r)
+        self.prediction = Histogram("draftwise:spec_decode_step_time_predicted_over_observed",
+                                    "A decoding step's time as the live cost model predicted it, over its measured "
+                                    "time (1: exact).", labels, buckets=PREDICTION_BUCKETS, registry=r)
+        self._steps_seen = (0, 0)
 
     def segment(self, label: str | None) -> str:
         if label is None:
@@ -77,6 +86,12 @@ class ServerMetrics:
         self.kv_usage.labels(m).set(stats["kv_blocks_in_use"] / stats["kv_blocks"])
         for method, k in stats["current_k"].items():
             self.current_k.labels(m, method).set(k)
+        steps, drafting = stats.get("decode_steps", 0), stats.get("drafting_steps", 0)
+        self.decode_steps.labels(m).inc(max(0, steps - self._steps_seen[0]))
+        self.drafting_steps.labels(m).inc(max(0, drafting - self._steps_seen[1]))
+        self._steps_seen = (steps, drafting)
+        for ratio in stats.get("predicted_over_observed", ()):
+            self.prediction.labels(m).observe(ratio)
 
     def observe_tokens(self, num_tokens: int, seconds_since_previous: float | None) -> None:
         if num_tokens and seconds_since_previous is not None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from draftwise.speculative.config import SpeculativeConfig
 from draftwise.speculative.control.cost_model import CostModel
 from draftwise.speculative.control.policy import AdaptiveLength, DraftLengthPolicy, FixedLength
-from draftwise.speculative.control.profile import configuration_key, load_or_measure
+from draftwise.speculative.control.live_costs import LiveCostModel
+from draftwise.speculative.control.profile import configuration_key, load_or_measure, profile_path
 from draftwise.speculative.proposer import Proposer
 from draftwise.speculative.registry import Target
 
@@ -32,9 +33,15 @@ def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
     if not config.adaptive:
         return Drafter(proposer, FixedLength(config.num_speculative_tokens), config.num_speculative_tokens,
                        config.draft_probability)
-    costs = measure_costs(target, proposer, config)
+    costs = live_costs(target, proposer, config)
     return Drafter(proposer, AdaptiveLength(costs, config.num_speculative_tokens), config.num_speculative_tokens,
                    config.draft_probability, costs)
+
+
+def live_costs(target: Target, proposer: Proposer, config: SpeculativeConfig) -> LiveCostModel:
+    """The measured (or cached) cost model as the prior of costs learned while serving."""
+    prior = measure_costs(target, proposer, config)
+    return LiveCostModel(prior, profile_path(prior.key) if prior.key else None)
 
 
 def measure_costs(target: Target, proposer: Proposer | None, config: SpeculativeConfig | None,
@@ -42,7 +49,8 @@ def measure_costs(target: Target, proposer: Proposer | None, config: Speculative
     """This machine's cost model for the target (and drafter): cached on disk, measured if absent."""
     runner = target.runner
     drafter = "plain" if config is None else config.drafter_key()
-    key = configuration_key(target.folder, runner.model.quantization.mode, runner.device, runner.dtype, drafter)
+    key = configuration_key(target.folder, runner.model.quantization.mode, runner.device, runner.dtype,
+                            f"step={runner.step_mode}", drafter)
     max_draft = config.num_speculative_tokens if config is not None else 0
     return load_or_measure(key, runner, proposer, target.tokenizer, min(max_draft, MAX_PROFILED_DRAFT),
                            refresh=refresh, measure_with=config.spec.profile if config is not None else None)

@@ -56,6 +56,9 @@ class DrafterSpec:
     # How the cost model profiles it: (target runner, proposer, tokenizer, max k) -> CostModel. None:
     # `control.profile.measure`, which times the target over n tokens and `propose` over k tokens.
     profile: Callable | None = None
+    # Its options' `model` names a model speaking the target's vocabulary, which may be the target
+    # itself: the target then drafts for itself, the direct test of batch invariance (`bench --suite gpu`).
+    drafts_with_model: bool = False
 
     def parse_options(self, values: dict | Any | None) -> Any:
         """The drafter's options from a dict (unknown names refused), an instance, or None (defaults)."""

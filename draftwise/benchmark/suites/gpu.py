@@ -10,7 +10,8 @@ one process, every figure measured in this run:
 2. the verification curve: one row, n = 1..64 new tokens, each pass's cost over a one-token step;
 3. self-drafting: the target drafting for itself (k = 4, greedy, EOS ignored) at 1, 8 and 32 rows:
    acceptance must be 100% and every output equal to plain decoding's (bit-exact batch invariance);
-4. cost models measured here (plain, and each drafter in `--configs`, default prompt lookup),
+4. cost models measured here (plain, and each drafter in `--configs`, default: those built per
+   request, which cost no model of their own: prompt lookup today),
    written to `<output>/costs/`, from which `draftwise plan --from-plan PLAN.json --costs DIR`
    predicts speculation on this device with acceptance measured elsewhere (with real weights).
 
@@ -21,6 +22,7 @@ weights.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ from draftwise.llm.devices import pick_device
 from draftwise.model.memory import module_bytes
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.config import SpeculativeConfig
+from draftwise.speculative.registry import all_specs
 
 LEVELS = (1, 8, 32, 64)
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -138,9 +141,12 @@ def _self_drafting(settings: BenchSettings, target: LLM, rows: int, common: dict
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(rows)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     expected = [o.token_ids for o in target.generate(prompts, params)]
-    target.set_speculative({"method": "draft", "model": settings.model, "num_speculative_tokens": 4,
-                            "adaptive": False, "quantization": target.model.quantization.mode,
-                            "draft_vocab_size": None, "draft_context_window": None}, progress=False)
+    spec = next(spec for spec in all_specs() if spec.drafts_with_model)
+    options = {"model": settings.model, "quantization": target.model.quantization.mode,
+               "draft_vocab_size": None, "draft_context_window": None}
+    known = {f.name for f in fields(spec.options)}
+    target.set_speculative({"method": spec.name, "num_speculative_tokens": 4, "adaptive": False,
+                            **{name: value for name, value in options.items() if name in known}}, progress=False)
     try:
         outputs = target.generate(prompts, params)
         metrics = target.spec_metrics
@@ -158,7 +164,8 @@ def _write_costs(settings: BenchSettings, target: LLM) -> dict[str, str]:
     written = {}
     target.measure_costs(None, None, refresh=True).write(folder / "plain.json")
     written["plain"] = str(folder / "plain.json")
-    for method in dict.fromkeys(config_method(c) for c in settings.configs_or(["ngram"]) if c != "plain"):
+    cheap = [spec.name for spec in all_specs() if spec.per_request and spec.benchmark_by_default]
+    for method in dict.fromkeys(config_method(c) for c in settings.configs_or(cheap) if c != "plain"):
         target.set_speculative({"method": method, "adaptive": False, **settings.options.get(method, {})},
                                progress=False)
         config = SpeculativeConfig.from_value({"method": method, "num_speculative_tokens": 8,

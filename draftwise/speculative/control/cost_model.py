@@ -30,6 +30,7 @@ class CostModel:
     draft: dict[int, float] = field(default_factory=dict)  # k drafted tokens -> seconds of one propose call
     catch_up: float = 0.0  # seconds per backlog token the drafter absorbs before drafting
     key: str = ""  # what was measured: models, quantization, device, dtype, threads, torch
+    spread: float = 1.0  # the largest slowest/fastest ratio between repeats of one point when measured
 
     def target_seconds(self, num_tokens: int) -> float:
         return _interpolate(self.target, num_tokens)
@@ -45,14 +46,19 @@ class CostModel:
         """A step that drafts k tokens and verifies them (k = 0: a plain decoding step)."""
         return self.draft_seconds(num_draft_tokens) + self.target_seconds(num_draft_tokens + 1)
 
-    def batch_step_seconds(self, num_draft_tokens: list[int]) -> float:
-        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`)."""
+    def batch_draft_seconds(self, num_draft_tokens: list[int]) -> float:
+        """The drafter's part of a batch step whose row b drafts k_b tokens: round j runs over the
+        rows still drafting, growing with them as the target's forward does."""
         plain = self.target_seconds(1)
         drafting = 0.0
         for j in range(1, max(num_draft_tokens, default=0) + 1):
             rows = sum(k >= j for k in num_draft_tokens)
             drafting += (self.draft_seconds(j) - self.draft_seconds(j - 1)) * self.target_seconds(rows) / plain
-        return drafting + self.target_seconds(sum(k + 1 for k in num_draft_tokens))
+        return drafting
+
+    def batch_step_seconds(self, num_draft_tokens: list[int]) -> float:
+        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`)."""
+        return self.batch_draft_seconds(num_draft_tokens) + self.target_seconds(sum(k + 1 for k in num_draft_tokens))
 
     # --- persistence ------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -63,7 +69,7 @@ class CostModel:
         data = json.loads(text)
         return cls({int(n): float(s) for n, s in data["target"].items()},
                    {int(k): float(s) for k, s in data.get("draft", {}).items()},
-                   float(data.get("catch_up", 0.0)), data.get("key", ""))
+                   float(data.get("catch_up", 0.0)), data.get("key", ""), float(data.get("spread", 1.0)))
 
     @classmethod
     def read(cls, path: Path) -> "CostModel | None":

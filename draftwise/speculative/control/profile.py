@@ -12,7 +12,9 @@ keyed by the models, quantization, device, dtype, thread count, PyTorch version 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,9 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.proposer import Proposer
 from draftwise.text.tokenizer import Tokenizer
 
+MEASURE_ATTEMPTS = 3
+MAX_SPREAD = 1.25  # a profile whose repeats sit further apart than this was measured on a busy machine
+MONOTONE_SLACK = 0.85  # a pass over more tokens may measure this much below one over fewer (noise), no lower
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # 16+: batches of rows
 CONTEXT_TOKENS = 256
 REPEATS = 5
@@ -42,6 +47,8 @@ _SAMPLE_TEXT = (
     "The function keeps a running total, so each step costs the same however wide the window is. "
 )
 
+
+logger = logging.getLogger(__name__)
 
 PROFILES_ENV = "DRAFTWISE_PROFILES"  # where cost models are cached (default: <cache>/profiles)
 
@@ -60,17 +67,43 @@ def configuration_key(*parts: object) -> str:
 
 def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,
                     max_draft_tokens: int, refresh: bool = False, measure_with=None) -> CostModel:
-    """The cached cost model for `key`, measuring (and caching) it if absent or if asked to, with
-    `measure_with` (a drafter's own profiler) or `measure`."""
+    """The cached cost model for `key`, measuring (and caching) it if absent, contaminated or if
+    asked to, with `measure_with` (a drafter's own profiler) or `measure`. A measurement that comes
+    out contaminated is taken again (MEASURE_ATTEMPTS in all); if every one is, the steadiest is
+    used for this run and nothing is cached."""
     path = profile_path(key)
     cached = None if refresh else CostModel.read(path)
     if (cached is not None and cached.key == key and max(cached.target) >= max(TARGET_SIZES)
-            and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens)):
+            and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens)
+            and contamination(cached) is None):
         return cached
-    model = (measure_with or measure)(runner, proposer, tokenizer, max_draft_tokens)
-    model.key = key
-    model.write(path)
-    return model
+    attempts = []
+    for _ in range(MEASURE_ATTEMPTS):
+        model = (measure_with or measure)(runner, proposer, tokenizer, max_draft_tokens)
+        model.key = key
+        why = contamination(model)
+        if why is None:
+            model.write(path)
+            return model
+        logger.warning("cost profile measured while the machine was busy (%s): measuring again", why)
+        attempts.append(model)
+    logger.warning("every cost profile came out contaminated: using the steadiest for this run, caching none")
+    return min(attempts, key=lambda m: m.spread)
+
+
+def contamination(model: CostModel) -> str | None:
+    """Why a measured profile cannot be trusted (None: it can): repeats of one point far apart (the
+    machine was busy while it was timed), or a pass over more tokens measured cheaper than one over
+    fewer (impossible on a quiet machine: the same weights are read, more work is done)."""
+    if model.spread > MAX_SPREAD:
+        return f"repeats of one point {model.spread:.2f}x apart"
+    points = sorted(model.target)
+    for i, n in enumerate(points):
+        for m in points[i + 1:]:
+            if model.target[m] < MONOTONE_SLACK * model.target[n]:
+                return f"{m} tokens measured at {model.target[m] * 1e3:.1f} ms, below {n} tokens' " \
+                       f"{model.target[n] * 1e3:.1f} ms"
+    return None
 
 
 def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer,
@@ -89,7 +122,7 @@ def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer
             runner.forward([seq.row], [[filler] * n], [n])
             runner.truncate(seq.row, base)
 
-        target = _fastest_seconds({n: (lambda n=n: target_pass(n)) for n in TARGET_SIZES})
+        target, spread = _fastest_seconds({n: (lambda n=n: target_pass(n)) for n in TARGET_SIZES})
         draft: dict[int, list[float]] = {}
         catch_up = 0.0
         if proposer is not None:
@@ -104,7 +137,7 @@ def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer
                     if drafted:
                         draft.setdefault(drafted, []).append(elapsed)
             catch_up = _catch_up_per_token(proposer, seq, min(draft.get(1, [0.0])))
-        return CostModel(target, {k: min(times) for k, times in draft.items()}, catch_up)
+        return CostModel(target, {k: min(times) for k, times in draft.items()}, catch_up, spread=spread)
     finally:
         runner.free(seq.row)
         seq.row = None
@@ -143,9 +176,11 @@ def _context_ids(tokenizer: Tokenizer, count: int) -> list[int]:
     return (ids * (count // len(ids) + 1))[:max(count, 2)]
 
 
-def _fastest_seconds(runs: dict, repeats: int = REPEATS) -> dict:
+def _fastest_seconds(runs: dict, repeats: int = REPEATS) -> tuple[dict, float]:
     """The fastest of `repeats` timings of each run, taken round-robin after a warm-up so that a
-    disturbance on a busy machine hits one repetition of many points, not every repetition of one."""
+    disturbance on a busy machine hits one repetition of many points, not every repetition of one;
+    and the spread: over the points, the median of (median / fastest) of each point's repeats
+    (about 1.0 on a quiet machine; a busy one stretches most repeats)."""
     for run in runs.values():
         run()
     times: dict = {key: [] for key in runs}
@@ -154,4 +189,5 @@ def _fastest_seconds(runs: dict, repeats: int = REPEATS) -> dict:
             start = time.perf_counter()
             run()
             times[key].append(time.perf_counter() - start)
-    return {key: min(values) for key, values in times.items()}
+    spread = statistics.median(statistics.median(values) / min(values) for values in times.values())
+    return {key: min(values) for key, values in times.items()}, spread

@@ -137,4 +137,4 @@ def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelP
 
 
 register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up)", DraftModelOptions,
-                     build_draft_model, check=check_draft_model, per_request=False))
+                     build_draft_model, check=check_draft_model, per_request=False, drafts_with_model=True))

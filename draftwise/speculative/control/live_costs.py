@@ -1,0 +1,140 @@
+"""Costs learned while serving: the cached profile is the prior, the steps the engine times are the
+evidence.
+
+A profile is measured once per machine and configuration; the machine's load is not. Every step
+already knows how many tokens its target pass took (n, over all rows) and how long that took, and
+how long its drafter took to propose. Each observation becomes a ratio to the prior at the same
+point, observed / prior(n), and the live cost is
+
+    live(n) = prior(n) x median of the last WINDOW ratios seen at n        (>= MIN_SAMPLES of them)
+            = prior(n) x median of the last WINDOW ratios at any n          (otherwise, once enough)
+            = prior(n)                                                      (before any evidence)
+
+then made non-decreasing in n (a pass over more tokens never costs less; noise can say otherwise).
+Medians of a sliding window are robust to the outliers of a busy machine (one descheduled step
+does not move them) and follow a lasting change within WINDOW / 2 steps. The drafter's time is
+tracked the same way, as one ratio to the prior's prediction for the call (its rows and k), over a
+shorter window: once it is dear the controller drafts only probes, and those alone must show it
+cheap again.
+
+The live table is what the controller plans with (`CostModel`'s interface, so nothing else
+changes). When the live plain step sits far from the prior's (PRIOR_FAR either way, over
+WINDOW observations), the prior was measured under other conditions (a busy machine, another
+load): the cached file is dropped so that the next start measures afresh, and the live costs carry
+on meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from pathlib import Path
+
+from draftwise.speculative.control.cost_model import CostModel
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 16  # ratios kept per point (and overall)
+DRAFT_WINDOW = 8  # the drafter's ratios kept: while it is dear only probes time it, so it must turn quickly
+MIN_SAMPLES = 3  # ratios a point needs before its own median is used
+MAX_LAG_OBSERVED = 2  # a drafter's call is timed if no row absorbed more (the newest token and one draft)
+PRIOR_FAR = 1.5  # the live plain step this far from the prior's (either way): the prior is dropped
+
+
+class LiveCostModel(CostModel):
+    """A `CostModel` whose tables move with what the engine measures (the prior's own tables are kept)."""
+
+    def __init__(self, prior: CostModel, prior_path: Path | None = None) -> None:
+        super().__init__(dict(prior.target), dict(prior.draft), prior.catch_up, prior.key, prior.spread)
+        self.prior = prior
+        self.prior_path = prior_path  # the cached profile, dropped if the evidence contradicts it
+        self.prior_dropped = False
+        self._target_ratios: dict[int, deque] = {}  # n -> recent observed / prior ratios
+        self._all_target_ratios: deque = deque(maxlen=WINDOW)
+        self._draft_ratios: deque = deque(maxlen=DRAFT_WINDOW)
+        self.predicted_over_observed: deque = deque(maxlen=256)  # the step-time predictions' accuracy
+
+    # --- evidence -----------------------------------------------------------------------------
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        """A target pass over `num_tokens` new tokens (all rows) took `seconds`."""
+        if num_tokens < 1 or seconds <= 0 or num_tokens > max(self.prior.target):
+            return  # prefills past the profiled range say nothing about decoding steps
+        predicted = self.target_seconds(num_tokens)
+        self.predicted_over_observed.append(predicted / seconds)
+        ratio = seconds / self.prior.target_seconds(num_tokens)
+        self._target_ratios.setdefault(num_tokens, deque(maxlen=WINDOW)).append(ratio)
+        self._all_target_ratios.append(ratio)
+        self._refit_target()
+        self._check_prior()
+
+    def call_seconds(self, num_draft_tokens: list[int], lags: list[int]) -> float:
+        """A drafter's call drafting num_draft_tokens[b] for row b after absorbing lags[b] tokens."""
+        return self.batch_draft_seconds(num_draft_tokens) + sum(self.catch_up_seconds(lag) for lag in lags)
+
+    def observe_draft(self, num_draft_tokens: list[int], seconds: float, lags: list[int] | None = None) -> None:
+        """A drafter's call proposing num_draft_tokens[b] tokens for each of its rows (after absorbing
+        lags[b] tokens: 1 is just the newest) took `seconds`. A call that absorbed a whole backlog
+        (a prompt) is mostly catch-up, timed apart by the profile: it teaches nothing here."""
+        lags = lags or [1] * len(num_draft_tokens)
+        if max(lags) > MAX_LAG_OBSERVED:
+            return
+        predicted = self.prior.batch_draft_seconds(num_draft_tokens) + sum(map(self.prior.catch_up_seconds, lags))
+        if predicted <= 0 or seconds <= 0:
+            return
+        self._draft_ratios.append(seconds / predicted)
+        scale = statistics.median(self._draft_ratios) if len(self._draft_ratios) >= MIN_SAMPLES else 1.0
+        self.draft = {k: s * scale for k, s in self.prior.draft.items()}
+        self.catch_up = self.prior.catch_up * scale
+
+    def observe_step(self, timing, method: str | None = None) -> None:
+        """An engine step's `StepTiming`: its target pass (prefills are no verification: skipped)
+        and the call of drafter `method` (None: any drafter's)."""
+        if not timing.is_prefill:
+            self.observe_target(timing.num_tokens, timing.target_seconds)
+        for name, call in timing.drafts.items():
+            if method is None or name == method:
+                self.observe_draft(call.num_tokens, call.seconds, call.lags)
+
+    def with_overhead(self, seconds: float) -> CostModel:
+        """The live tables as a plain `CostModel`, every target pass `seconds` dearer (what a step
+        costs beyond its timed pass: scheduling, detokenizing, the host's share)."""
+        return CostModel({n: t + seconds for n, t in self.target.items()}, dict(self.draft), self.catch_up,
+                         self.key, self.spread)
+
+    # --- the live tables ------------------------------------------------------------------------
+    def target_ratio(self, num_tokens: int) -> float:
+        own = self._target_ratios.get(num_tokens, ())
+        if len(own) >= MIN_SAMPLES:
+            return statistics.median(own)
+        if len(self._all_target_ratios) >= MIN_SAMPLES:
+            return statistics.median(self._all_target_ratios)
+        return 1.0
+
+    def _refit_target(self) -> None:
+        points = sorted(set(self.prior.target) | {n for n, r in self._target_ratios.items() if len(r) >= MIN_SAMPLES})
+        table, highest = {}, 0.0
+        for n in points:
+            highest = max(highest, self.prior.target_seconds(n) * self.target_ratio(n))  # non-decreasing in n
+            table[n] = highest
+        self.target = table
+
+    def _check_prior(self) -> None:
+        plain = self._target_ratios.get(1, ())
+        if self.prior_dropped or len(plain) < WINDOW:
+            return
+        ratio = statistics.median(plain)
+        if ratio > PRIOR_FAR or ratio < 1 / PRIOR_FAR:
+            self.prior_dropped = True
+            logger.warning("the cached cost profile is %.2fx the plain steps measured now: it was measured under "
+                           "other conditions; planning with live costs, and measuring afresh at the next start",
+                           ratio)
+            if self.prior_path is not None:
+                self.prior_path.unlink(missing_ok=True)
+
+    def summary(self) -> dict[str, dict]:
+        """Prior and live seconds side by side, per n (target) and per k (drafter)."""
+        return {"target": {n: {"prior": self.prior.target_seconds(n), "live": self.target_seconds(n),
+                               "samples": len(self._target_ratios.get(n, ()))} for n in sorted(self.target)},
+                "drafter": {k: {"prior": self.prior.draft_seconds(k), "live": self.draft_seconds(k)}
+                          for k in sorted(self.draft)}}
