@@ -23,3 +23,12 @@ def module_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
 def module_bytes(model: torch.nn.Module) -> int:
     """Bytes of every tensor a model holds (`module_tensors`)."""
     return sum(tensor.numel() * tensor.element_size() for tensor in module_tensors(model))
+
+
+def bytes_read_per_step(model: torch.nn.Module) -> int:
+    """Bytes a decoding step reads: every tensor but the embedding table, of which it reads one row
+    per token (unless the LM head is that same table, as in tied models computed in full precision)."""
+    embedding = model.embed_tokens.weight
+    head = getattr(model.lm_head, "weight", None)
+    unread = 0 if head is embedding else embedding.numel() * embedding.element_size()
+    return module_bytes(model) - unread

@@ -33,7 +33,7 @@ from draftwise.benchmark.report import SuiteReport, number, percent, ratio, tabl
 from draftwise.benchmark.suites import BenchSettings
 from draftwise.llm import LLM
 from draftwise.llm.devices import pick_device
-from draftwise.model.memory import module_bytes
+from draftwise.model.memory import bytes_read_per_step
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.config import SpeculativeConfig
 from draftwise.speculative.registry import all_specs
@@ -61,7 +61,7 @@ def run(settings: BenchSettings) -> SuiteReport:
     runners = {name: llm.runner for name, llm in llms.items()}
     step_name = f"draftwise, step mode {target.runner.step_mode or 'none (eager path)'}"
 
-    weights = module_bytes(target.model)
+    weights = bytes_read_per_step(target.model)
     bandwidth = copy_bandwidth(device, megabytes=1024 if device.type == "cuda" else 256)
     steps = {rows: forward_seconds(runners, rows, 1, CONTEXT, REPEATS) for rows in levels}
     verify = {n: forward_seconds(runners, 1, n, CONTEXT, REPEATS) for n in VERIFY_SIZES}
@@ -78,7 +78,7 @@ def run(settings: BenchSettings) -> SuiteReport:
             "hf_step_seconds": hf, "self_drafting": self_drafting, "costs": costs}
     text = "\n\n".join([
         f"Device: {data['device']}; {settings.model} ({settings.load_format} weights, {target.dtype}, "
-        f"{weights / 2**30:.2f} GiB); bandwidth {bandwidth / 1e9:.0f} GB/s (a large copy, read + written); "
+        f"{weights / 2**30:.2f} GiB read per step: the embedding table's unread rows not counted); bandwidth {bandwidth / 1e9:.0f} GB/s (a large copy, read + written); "
         f"context {CONTEXT} tokens; medians of {REPEATS} passes, the configs taking turns.",
         _control(steps, verify),
         "Plain decoding step, R rows x 1 token (tokens/s; the bound: bandwidth / weight bytes x R, the KV cache "
