@@ -356,3 +356,22 @@ def test_a_new_segment_starts_optimistic_whatever_other_traffic_taught():
     code = SimpleNamespace(request_id="c", segment="code", params=SimpleNamespace(seed=None, greedy=True),
                            num_tokens_left=1000, output_ids=[])
     assert policy.num_tokens([code], [1])[0] > 0
+
+
+def test_the_confidence_rule_keeps_thin_evidence_from_drafting(monkeypatch):
+    """With the lower-bound rule on, two accepted drafts are not enough to pay for a dear drafter;
+    forty are. (Off by default: the point estimate drafts at once.)"""
+    from draftwise.speculative.control import controller as module
+    from draftwise.speculative.control.controller import confident_num_tokens
+
+    dear = costs(draft_per_token=0.040)  # a drafted token costs 57% of a plain step
+    thin, thick = AcceptanceEstimate.prior(4, 0.5), AcceptanceEstimate.prior(4, 0.5)
+    for _ in range(2):
+        thin.observe(1, 1)
+    for i in range(40):
+        thick.observe(1, int(i % 10 != 0))  # 90% accepted
+    assert confident_num_tokens(thin, dear, 4) > 0  # off: the point estimate decides
+    monkeypatch.setattr(module, "CONFIDENCE_Z", 1.0)
+    monkeypatch.setattr(module, "DRAFT_MARGIN", 0.02)
+    assert thin.lower_bounds()[0] < thin.effective_rates()[0]
+    assert confident_num_tokens(thin, dear, 4) == 0 and confident_num_tokens(thick, dear, 4) > 0
