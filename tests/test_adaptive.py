@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -231,6 +232,14 @@ def test_profile_command_prints_the_table(tiny_qwen, capsys):
     assert main(["profile", "--model", str(tiny_qwen), "--method", "ngram", "-k", "3"]) == 0
     out = capsys.readouterr().out
     assert "target forward ms" in out and "best k" in out
+
+
+def test_profile_command_shows_live_costs_beside_the_profile(tiny_qwen, capsys):
+    assert main(["profile", "--model", str(tiny_qwen), "--method", "ngram", "-k", "3", "--live", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "Live costs after 24 generated tokens" in out and "| n | profile ms | live ms |" in out
+    plain_row = re.search(r"^\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| (\d+) \|$", out, re.M)
+    assert plain_row and int(plain_row.group(1)) > 0  # plain steps were timed and learnt from
 
 
 def test_rarely_tried_positions_borrow_the_estimate_before_them():

@@ -134,6 +134,12 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     (tmp_path / "free" / "ngram.json").unlink()
     partial = predict_on_device(paths["json"], tmp_path / "free")
     assert partial.missing == ["ngram"] and "Not predicted" in render_device_prediction(partial)
+    from draftwise.cli import main
+
+    assert main(["plan", "--from-plan", str(paths["json"]), "--costs", str(tmp_path / "free"),
+                 "--output", str(tmp_path / "device")]) == 0
+    assert "Best per concurrency" in (tmp_path / "device" / "device-plan.md").read_text()
+    assert main(["plan", "--from-plan", str(paths["json"])]) != 0  # --costs is needed too: a clear error
 
 
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
