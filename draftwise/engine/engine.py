@@ -224,12 +224,8 @@ class Engine:
                 observed = timing.target_seconds + sum(call.seconds for call in timing.drafts.values())
                 if observed > 0:
                     self.counters.predicted_over_observed.append(predicted / observed)
-        for costs in live.values():  # (a prefill asks for one token's logits: it is no verification)
-            if not timing.is_prefill:
-                costs.observe_target(timing.num_tokens, timing.target_seconds)
-        for method, call in timing.drafts.items():
-            if method in live:
-                live[method].observe_draft(call.num_tokens, call.seconds, call.lags)
+        for method, costs in live.items():
+            costs.observe_step(timing, method)
         for listener in self.timing_listeners:
             listener(timing)
 

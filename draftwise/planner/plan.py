@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from draftwise.planner.simulate import Acceptance, Policy, Prediction, Request, simulate
-from draftwise.speculative.control.cost_model import CostModel
 from draftwise.speculative.registry import all_specs
 
 PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% above plain
@@ -58,11 +57,6 @@ class Plan:
     validation: list[dict] = field(default_factory=list)
     sample_requests: list[dict] = field(default_factory=list)  # the sampled requests' lengths (`Request`s)
     step_overhead_seconds: float = 0.0  # what a real step costs beyond its timed target pass
-
-
-def scaled(costs: CostModel, factor: float) -> CostModel:
-    return CostModel({n: s * factor for n, s in costs.target.items()}, {k: s * factor for k, s in costs.draft.items()},
-                     costs.catch_up * factor, costs.key)
 
 
 def speculative_dict(method: str, options: PlanOptions) -> dict:

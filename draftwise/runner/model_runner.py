@@ -159,7 +159,4 @@ def _resolve_step_mode(step_mode: str | None, cache: KVCache) -> str | None:
 
 
 def _cumulative(num_logits: list[int]) -> list[int]:
-    cu = [0]
-    for n in num_logits:
-        cu.append(cu[-1] + n)
-    return cu
+    return [0, *itertools.accumulate(num_logits)]

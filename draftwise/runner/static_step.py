@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from draftwise.cache import attention_backend
-from draftwise.cache.kv_cache import KVCache
+from draftwise.cache.kv_cache import KVCache, write_kv
 from draftwise.errors import InvalidParameterError
 from draftwise.model.transformer import Transformer
 
@@ -64,9 +64,7 @@ class TensorKVView:
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New keys/values [R, Hkv, S, D] into their slots."""
-        write = write_kv if torch.compiler.is_compiling() else write_kv_eagerly  # (a custom op's dispatch costs)
-        write(self.cache.keys[layer], self.cache.values[layer], self.inputs.write_slots,
-              keys.transpose(1, 2).flatten(0, 1), values.transpose(1, 2).flatten(0, 1))
+        write_kv(self.cache.keys[layer], self.cache.values[layer], self.inputs.write_slots, keys, values)
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """q [R, Hq, S, D] -> [R, Hq, S, D]."""
@@ -74,21 +72,6 @@ class TensorKVView:
                                                   self.cache.values[layer], self.inputs.block_tables,
                                                   self.cache.blocks.block_size, self.inputs.query_rows,
                                                   positions.flatten())
-
-
-@torch.library.custom_op("draftwise::write_kv", mutates_args=("keys", "values"))
-def write_kv(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, new_keys: torch.Tensor,
-             new_values: torch.Tensor) -> None:
-    """keys, values [slots, Hkv, D] (one layer's storage) take new_keys, new_values [N, Hkv, D] at
-    `slots` [N], in place. An op that says it mutates its arguments: the compiler writes in place
-    instead of copying the whole cache around the write (which made a compiled step 5x slower)."""
-    write_kv_eagerly(keys, values, slots, new_keys, new_values)
-
-
-def write_kv_eagerly(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, new_keys: torch.Tensor,
-                     new_values: torch.Tensor) -> None:
-    keys.index_copy_(0, slots, new_keys)
-    values.index_copy_(0, slots, new_values)
 
 
 def step_logits(model: Transformer, cache: KVCache, inputs: StepTensors) -> torch.Tensor:

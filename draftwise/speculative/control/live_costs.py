@@ -53,15 +53,12 @@ class LiveCostModel(CostModel):
         self._target_ratios: dict[int, deque] = {}  # n -> recent observed / prior ratios
         self._all_target_ratios: deque = deque(maxlen=WINDOW)
         self._draft_ratios: deque = deque(maxlen=DRAFT_WINDOW)
-        self.predicted_over_observed: deque = deque(maxlen=256)  # the step-time predictions' accuracy
 
     # --- evidence -----------------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
         """A target pass over `num_tokens` new tokens (all rows) took `seconds`."""
         if num_tokens < 1 or seconds <= 0 or num_tokens > max(self.prior.target):
             return  # prefills past the profiled range say nothing about decoding steps
-        predicted = self.target_seconds(num_tokens)
-        self.predicted_over_observed.append(predicted / seconds)
         ratio = seconds / self.prior.target_seconds(num_tokens)
         self._target_ratios.setdefault(num_tokens, deque(maxlen=WINDOW)).append(ratio)
         self._all_target_ratios.append(ratio)
