@@ -50,6 +50,20 @@ def test_a_drafter_that_slows_down_is_seen_in_its_live_costs():
     assert live.draft_seconds(3) == pytest.approx(0.150) and live.draft_seconds(1) == pytest.approx(0.050)
 
 
+def test_a_catch_up_is_learnt_from_the_calls_that_absorbed_a_backlog():
+    prior = synthetic()
+    prior.catch_up = 0.004
+    live = LiveCostModel(prior)
+    assert live.catch_up_seconds(101) == pytest.approx(0.400)
+    live.observe_draft([2], 0.020 + 100 * 0.006, lags=[101])  # drafted 2 (as profiled) after reading 100 tokens at 6 ms
+    assert live.catch_up_seconds(101) == pytest.approx(0.600)  # one catch-up is evidence enough
+    assert live.draft_seconds(2) == pytest.approx(0.020)  # and says nothing about drafting
+    for _ in range(DRAFT_WINDOW):
+        live.observe_draft([1], 0.020)  # the drafter turns 2x dearer: a timed catch-up still stands
+    assert live.draft_seconds(1) == pytest.approx(0.020) and live.catch_up_seconds(101) == pytest.approx(0.600)
+    assert live.summary()["catch_up_per_token"] == {"prior": 0.004, "live": pytest.approx(0.006), "samples": 1}
+
+
 def test_a_prior_far_from_the_live_plain_step_is_dropped_from_the_cache(tmp_path):
     path = tmp_path / "profile.json"
     synthetic().write(path)

@@ -71,6 +71,9 @@ def live_table(llm, prior, num_tokens: int) -> str:
     if summary["drafter"]:
         lines += ["", "| k | drafter profile ms | live ms |", "|---|---|---|"]
         lines += [f"| {k} | {row['prior'] * 1e3:.1f} | {row['live'] * 1e3:.1f} |" for k, row in summary["drafter"].items()]
+        catch_up = summary["catch_up_per_token"]
+        lines.append(f"\nCatch-up per backlog token: profile {catch_up['prior'] * 1e3:.2f} ms, live "
+                     f"{catch_up['live'] * 1e3:.2f} ms ({catch_up['samples']} catch-ups timed).")
     if live.prior_dropped:
         lines.append("\nThe profile is far from the live plain step: it has been dropped from the cache.")
     return "\n".join(lines)

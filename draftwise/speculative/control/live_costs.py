@@ -15,7 +15,12 @@ Medians of a sliding window are robust to the outliers of a busy machine (one de
 does not move them) and follow a lasting change within WINDOW / 2 steps. The drafter's time is
 tracked the same way, as one ratio to the prior's prediction for the call (its rows and k), over a
 shorter window: once it is dear the controller drafts only probes, and those alone must show it
-cheap again.
+cheap again. A call that absorbed a backlog (a draft model reading a prompt before its first draft)
+teaches the catch-up instead: what it took beyond the live drafting time, per backlog token, as a
+ratio to the prior's; one such call is a long, steady measurement (hundreds of milliseconds), so the
+median of the last few stands from the first. The profile times a catch-up on a warm machine and a
+fixed context, and on the held-out translations the real ones took 1.1-1.3x its figure: enough to
+make the controller buy a catch-up that a 20-token answer never earned back.
 
 The live table is what the controller plans with (`CostModel`'s interface, so nothing else
 changes). When the live plain step sits far from the prior's (PRIOR_FAR either way, over
@@ -53,6 +58,7 @@ class LiveCostModel(CostModel):
         self._target_ratios: dict[int, deque] = {}  # n -> recent observed / prior ratios
         self._all_target_ratios: deque = deque(maxlen=WINDOW)
         self._draft_ratios: deque = deque(maxlen=DRAFT_WINDOW)
+        self._catch_up_ratios: deque = deque(maxlen=DRAFT_WINDOW)
 
     # --- evidence -----------------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
@@ -71,18 +77,30 @@ class LiveCostModel(CostModel):
 
     def observe_draft(self, num_draft_tokens: list[int], seconds: float, lags: list[int] | None = None) -> None:
         """A drafter's call proposing num_draft_tokens[b] tokens for each of its rows (after absorbing
-        lags[b] tokens: 1 is just the newest) took `seconds`. A call that absorbed a whole backlog
-        (a prompt) is mostly catch-up, timed apart by the profile: it teaches nothing here."""
+        lags[b] tokens: 1 is just the newest) took `seconds`. A call that absorbed more than
+        MAX_LAG_OBSERVED tokens in some row is mostly catch-up: it teaches the catch-up cost."""
         lags = lags or [1] * len(num_draft_tokens)
+        if seconds <= 0:
+            return
         if max(lags) > MAX_LAG_OBSERVED:
+            self._observe_catch_up(num_draft_tokens, seconds, lags)
             return
         predicted = self.prior.batch_draft_seconds(num_draft_tokens) + sum(map(self.prior.catch_up_seconds, lags))
-        if predicted <= 0 or seconds <= 0:
+        if predicted <= 0:
             return
         self._draft_ratios.append(seconds / predicted)
         scale = statistics.median(self._draft_ratios) if len(self._draft_ratios) >= MIN_SAMPLES else 1.0
         self.draft = {k: s * scale for k, s in self.prior.draft.items()}
-        self.catch_up = self.prior.catch_up * scale
+        if not self._catch_up_ratios:
+            self.catch_up = self.prior.catch_up * scale  # no catch-up timed yet: it moves with the drafter
+
+    def _observe_catch_up(self, num_draft_tokens: list[int], seconds: float, lags: list[int]) -> None:
+        predicted = sum(map(self.prior.catch_up_seconds, lags))
+        if predicted <= 0:
+            return
+        absorbing = max(0.0, seconds - self.batch_draft_seconds(num_draft_tokens))
+        self._catch_up_ratios.append(absorbing / predicted)
+        self.catch_up = self.prior.catch_up * statistics.median(self._catch_up_ratios)
 
     def observe_step(self, timing, method: str | None = None) -> None:
         """An engine step's `StepTiming`: its target pass (prefills are no verification: skipped)
@@ -134,4 +152,6 @@ class LiveCostModel(CostModel):
         return {"target": {n: {"prior": self.prior.target_seconds(n), "live": self.target_seconds(n),
                                "samples": len(self._target_ratios.get(n, ()))} for n in sorted(self.target)},
                 "drafter": {k: {"prior": self.prior.draft_seconds(k), "live": self.draft_seconds(k)}
-                          for k in sorted(self.draft)}}
+                          for k in sorted(self.draft)},
+                "catch_up_per_token": {"prior": self.prior.catch_up, "live": self.catch_up,
+                                       "samples": len(self._catch_up_ratios)}}
