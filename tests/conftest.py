@@ -21,6 +21,18 @@ def profiles_in_tmp(tmp_path_factory):
         os.environ[PROFILES_ENV] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_choices_in_tmp(tmp_path_factory):
+    """Kernel choices measured by tests (int8 activations per layer shape) stay out of the user's cache."""
+    from draftwise.quant import activation_choice
+
+    path = tmp_path_factory.mktemp("kernel-choices") / "int8-activations.json"
+    original = activation_choice.choices_path
+    activation_choice.choices_path = lambda: path
+    yield
+    activation_choice.choices_path = original
+
+
 @pytest.fixture
 def drafting_pays(monkeypatch):
     """Adaptive drafters plan with `tests.drafting.DRAFTING_PAYS` instead of costs measured here."""

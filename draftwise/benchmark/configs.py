@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from draftwise.benchmark.runner import RequestResult
@@ -79,24 +80,39 @@ class LLMRecipe:
     max_num_seqs: int = 1
     max_model_len: int = 4096
     native_kernels: bool = True  # False: quantized layers on PyTorch's packed kernels
+    int8_activations: bool = True  # False: int8 layers keep bf16 activations (else as measured here)
 
     def build(self):
         from draftwise.llm import LLM
-        from draftwise.quant import native
+        from draftwise.quant import activation_choice, native
 
-        before = os.environ.get(NATIVE_KERNELS_ENV)
+        overrides = {}
         if not self.native_kernels:
-            native.set_enabled(False)  # read when the layers are built
-        try:
-            return LLM(self.model, speculative=self.speculative, quantization=self.quantization,
-                       max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False)
-        finally:
-            if not self.native_kernels:  # in-process builds after this one get the path they ask for
-                if before is None:
-                    os.environ.pop(NATIVE_KERNELS_ENV, None)
-                else:
-                    os.environ[NATIVE_KERNELS_ENV] = before
-                native.kernels.cache_clear()
+            overrides[NATIVE_KERNELS_ENV] = "0"  # read when the layers are built
+        if not self.int8_activations:
+            overrides[activation_choice.ACTIVATIONS_ENV] = "0"
+        with _environment(overrides):
+            native.kernels.cache_clear()
+            try:
+                return LLM(self.model, speculative=self.speculative, quantization=self.quantization,
+                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False)
+            finally:
+                native.kernels.cache_clear()  # in-process builds after this one get the path they ask for
+
+
+@contextmanager
+def _environment(overrides: dict[str, str]):
+    """Environment variables set for the block, restored after it."""
+    before = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass(slots=True)

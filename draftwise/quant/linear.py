@@ -13,6 +13,10 @@ Both take bf16 activations: measured on this project's AVX-512 machine for an 89
 PyTorch's kernels cost 0.38 ms per row in bf16 but 11.8 ms (int4) / 5.7 ms (int8) with fp32
 activations (a generic path). So activations are rounded to bf16 on the way in and the output
 returns in the caller's dtype. Both paths compute every row the same way whatever the number of rows.
+
+int8 layers may instead quantize their activations to int8 per block of 128 and multiply with VNNI
+byte dot products (`int8_matmul_q8`), where that measured faster on this machine for the layer's
+shape (`activation_choice`; one kernel per layer for every pass, so that rows stay independent).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from draftwise.quant import native_ops
+from draftwise.quant.activation_choice import int8_activations
 from draftwise.quant.native import kernels as native_kernels
 
 INT4_GROUP = 32
@@ -110,6 +115,7 @@ class Int8Linear(nn.Module):
         native_ok = native and self.in_features % NATIVE_K_MULTIPLE == 0
         self.kernels = native_kernels() if native_ok else None
         self.scales_float = self.scales.float()  # [N], what the native kernel takes
+        self.int8_activations = self.kernels is not None and int8_activations(self.out_features, self.in_features)
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int8Linear":
@@ -124,10 +130,14 @@ class Int8Linear(nn.Module):
         return {"weight_int8": self.weight_int8, "scales": self.scales}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
-        if self.kernels is not None:
+        if self.int8_activations:
+            flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per block by the kernel
+            out = native_ops.int8_q8(flat, self.weight_int8, self.scales_float)  # [M, N] float32
+        elif self.kernels is not None:
+            flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = native_ops.int8(flat, self.weight_int8, self.scales_float)  # [M, N] float32
         else:
+            flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         out = out.to(x.dtype)
         if self.bias is not None:

@@ -31,6 +31,18 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
+@torch.library.custom_op("draftwise::int8_matmul_q8", mutates_args=())
+def int8_matmul_q8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] (quantized to int8 per block of 128 inside) times int8 weight [N, K] with
+    per-channel float scales [N]: float32 [M, N]."""
+    return kernels().int8_matmul_q8(x, weight, scales)
+
+
+@int8_matmul_q8.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
 def int4(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return int4_matmul(x, nibbles, scale_min, out_features)
@@ -41,3 +53,9 @@ def int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.T
     if torch.compiler.is_compiling():
         return int8_matmul(x, weight, scales)
     return kernels().int8_matmul(x, weight, scales)
+
+
+def int8_q8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return int8_matmul_q8(x, weight, scales)
+    return kernels().int8_matmul_q8(x, weight, scales)

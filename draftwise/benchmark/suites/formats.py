@@ -1,8 +1,9 @@
 """What the plain and quantization suites share: weight formats as configs, and their speed tables.
 
 A format is written `FORMAT` (one of `draftwise.quant.apply.QUANTIZATIONS`; quantized layers on
-draftwise's native low-bit kernels where this CPU has them) or `FORMAT:pytorch` (PyTorch's packed
-kernels). The first format is the baseline (speedups are over it; outputs are compared with its) and
+draftwise's native low-bit kernels where this CPU has them, int8 layers with int8 activations where
+that measured faster here), `FORMAT:bf16` (the native kernels, activations always bf16) or
+`FORMAT:pytorch` (PyTorch's packed kernels). The first format is the baseline (speedups are over it; outputs are compared with its) and
 its control is the first format again, built and run exactly like it. Plain decoding, greedy, batch 1,
 EOS ignored (every request generates `max_tokens`); then the probes (`probes.py`), interleaved too.
 """
@@ -23,16 +24,17 @@ from draftwise.quant.apply import QUANTIZATIONS
 from draftwise.sampling.params import SamplingParams
 
 PYTORCH_KERNELS = "pytorch"
+BF16_ACTIVATIONS = "bf16"
 MAX_TOKENS = 64
 
 
 def format_recipe(settings: BenchSettings, text: str) -> LLMRecipe:
     weights, _, kernels = text.partition(":")
-    if weights not in QUANTIZATIONS or kernels not in ("", PYTORCH_KERNELS):
-        raise InvalidParameterError(f"a format is FORMAT or FORMAT:{PYTORCH_KERNELS} with FORMAT one of "
-                                    f"{', '.join(QUANTIZATIONS)}, got {text!r}")
+    if weights not in QUANTIZATIONS or kernels not in ("", PYTORCH_KERNELS, BF16_ACTIVATIONS):
+        raise InvalidParameterError(f"a format is FORMAT, FORMAT:{BF16_ACTIVATIONS} or FORMAT:{PYTORCH_KERNELS} "
+                                    f"with FORMAT one of {', '.join(QUANTIZATIONS)}, got {text!r}")
     return LLMRecipe(settings.model, quantization=weights, max_model_len=settings.max_model_len,
-                     native_kernels=kernels != PYTORCH_KERNELS)
+                     native_kernels=kernels != PYTORCH_KERNELS, int8_activations=kernels != BF16_ACTIVATIONS)
 
 
 def measure_formats(settings: BenchSettings, formats: list[str], probes: list,

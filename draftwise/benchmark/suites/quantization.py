@@ -18,7 +18,7 @@ from draftwise.benchmark.report import SuiteReport, control_line, table
 from draftwise.benchmark.suites import BenchSettings
 from draftwise.benchmark.suites.formats import cost_table, formats_data, header, measure_formats, speed_table
 
-FORMATS = ("none", "int8", "int4", "int8:pytorch", "int4:pytorch")
+FORMATS = ("none", "int8", "int4", "int4:bf16", "int8:pytorch", "int4:pytorch")
 SAMPLE_FILES = ("speculative/verify.py", "engine/engine.py", "model/attention.py")  # in the draftwise package
 PACKAGE = Path(__file__).resolve().parents[2]
 

@@ -23,6 +23,7 @@ import torch
 
 from draftwise.speculative.control.cost_model import CostModel
 from draftwise.paths import cache_root
+from draftwise.quant.activation_choice import ACTIVATIONS_ENV
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.native import source_digest
 from draftwise.runner.model_runner import ModelRunner
@@ -61,6 +62,8 @@ def profile_path(key: str) -> Path:
 
 def configuration_key(*parts: object) -> str:
     kernels = f"native-{source_digest()}" if native_kernels() is not None else "aten"
+    if os.environ.get(ACTIVATIONS_ENV) == "0":
+        kernels += ", bf16 activations"
     return " | ".join(str(part) for part in (*parts, f"threads={torch.get_num_threads()}",
                                              f"torch={torch.__version__}", f"low-bit kernels={kernels}"))
 
