@@ -48,11 +48,15 @@ CONFIGS = {
     "random draft": lambda target, draft, k: dict(method="draft", model=str(draft), num_speculative_tokens=k),
     "ngram": lambda target, draft, k: dict(method="ngram", num_speculative_tokens=k),
     "layer_skip": lambda target, draft, k: dict(method="layer_skip", num_layers=1, num_speculative_tokens=k),
+    "suffix": lambda target, draft, k: dict(method="suffix", num_speculative_tokens=k),
 }
 # What each drafter's drafts come to on tiny_qwen. The random model does not continue its prompt,
 # so prompt lookup (which does propose on REPETITIVE) is never right here; test_ngram_partial_acceptance
 # checks acceptance on a model that repeats itself.
-EXPECT = {"draft=target": "accepted", "random draft": "proposed", "ngram": "proposed", "layer_skip": "accepted"}
+# Suffix decoding drafts from REPETITIVE (its own text) and, in the batched run, from the solo run's
+# outputs in its cache, which are right: test_suffix.py checks that acceptance.
+EXPECT = {"draft=target": "accepted", "random draft": "proposed", "ngram": "proposed", "layer_skip": "accepted",
+          "suffix": "proposed"}
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

@@ -5,6 +5,7 @@ model's chat template (or every turn joined as one conversation with `all_turns`
 subcategories (writing ... humanities) count as one category, `mt_bench`, as Spec-Bench reports it,
 taken in turn (the first of each subcategory before any second one).
 `humaneval`: the HumanEval prompts (humaneval.jsonl.gz) as raw code completions.
+`suffix-workload`: what drafting from earlier text is for, built from both files (`suffix_workload`).
 Anything else is a path to a JSONL file read as planner traffic (prompt / messages / turns, and a
 segment or category field).
 
@@ -22,6 +23,9 @@ from draftwise.errors import InvalidParameterError
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 FILES = {"spec-bench": "spec_bench_question.jsonl", "humaneval": "humaneval.jsonl.gz"}
+SUFFIX_WORKLOAD = "suffix-workload"
+CODE_EDITS = ("with clearer variable names", "with a comment above every line that does work",
+              "with type hints on every local variable", "with its docstring examples moved into a comment")
 
 
 def data_file(name: str) -> Path:
@@ -43,10 +47,40 @@ def load_prompts(dataset: str, tokenizer, *, per_category: int, all_turns: bool 
                                     for r in rows], per_category)
     if dataset == "humaneval":
         return [("humaneval", row["prompt"]) for row in _jsonl(data_file(dataset))][:per_category]
+    if dataset == SUFFIX_WORKLOAD:
+        return _first_per_category(suffix_workload(tokenizer, per_category), per_category)
     from draftwise.traffic import read_traffic
 
     items = read_traffic(dataset, tokenizer, sample=10**9, max_tokens=max_tokens, seed=seed)
     return _first_per_category([(item.segment or "all", item.prompt) for item in items], per_category)
+
+
+def suffix_workload(tokenizer, count: int) -> list[tuple[str, str]]:
+    """Requests whose answers mostly repeat text seen before, `count` of each kind, kinds in turn:
+    - code_edit: a HumanEval solution, given whole, to be returned rewritten (the answer copies it);
+    - follow_up: a second turn after the model's (here: the reference) solution, asking for the
+      function again with a change (the answer copies the first answer);
+    - first_seen / seen_before: a Spec-Bench question, then the very same request again (the second
+      is drafted from the first one's answer by a drafter that remembers earlier requests)."""
+    problems = _jsonl(data_file("humaneval"))
+    questions = [row for row in _jsonl(data_file("spec-bench"))
+                 if _spec_bench_category(row["category"]) != "mt_bench"]
+    pairs = []
+    for i in range(count):
+        problem = problems[(7 * i) % len(problems)]
+        code = problem["prompt"] + problem["canonical_solution"]
+        edit = [{"role": "user", "content": f"Here is a Python function:\n```python\n{code}```\nReturn the whole "
+                                            f"function again, {CODE_EDITS[i % len(CODE_EDITS)]}."}]
+        follow = [{"role": "user", "content": f"Complete this function:\n```python\n{problem['prompt']}```"},
+                  {"role": "assistant", "content": f"```python\n{code}```"},
+                  {"role": "user", "content": "Now return the complete function again with input validation "
+                                              "that raises ValueError on bad arguments."}]
+        question = [{"role": "user", "content": questions[(37 * i) % len(questions)]["turns"][0]}]
+        pairs += [("code_edit", tokenizer.apply_chat_template(edit)),
+                  ("follow_up", tokenizer.apply_chat_template(follow)),
+                  ("first_seen", tokenizer.apply_chat_template(question)),
+                  ("seen_before", tokenizer.apply_chat_template(question))]
+    return pairs
 
 
 def _mt_bench_in_turn(rows: list[dict]) -> list[dict]:

@@ -22,7 +22,7 @@ def add_parser(commands) -> None:
     bench.add_argument("--suite", choices=list(SUITES), default="speculative")
     bench.add_argument("--model", default=DEFAULT_TARGET)
     bench.add_argument("--dataset", action="append", default=None,
-                       help="spec-bench, humaneval or a JSONL path (repeatable; default: the suite's)")
+                       help="spec-bench, humaneval, suffix-workload (code edits, follow-ups, repeated requests) or a JSONL path (repeatable; default: the suite's)")
     bench.add_argument("--configs", default=None,
                        help="comma-separated: METHOD (adaptive), METHOD:k=K (fixed) or METHOD:k<=K; plain and its "
                             "control always run (default: the drafters benchmarked by default)")

@@ -1,0 +1,165 @@
+"""Suffix decoding: draft what followed the context's ending before, in this request and in earlier ones.
+
+Each request has a `SuffixIndex` over its own committed tokens (prompt and output); the drafter
+also keeps a `SuffixCache`, shared by every request it serves: the ends of earlier requests' prompts
+and their outputs, bounded in memory. A draft is the most frequent continuation of the longest
+matched suffix (`SuffixIndex.lookup`), from whichever of the two promises more tokens (the sum of
+its path probabilities, the expected accepted length; ties to the longer match), at most
+`suffix_max_spec_factor` x the match length, and it stops where the evidence does (a path
+probability below `suffix_min_probability`). The defaults are Arctic Inference's for suffix decoding
+(max depth 24, factor 1.0, probability 0.1).
+
+Model-free: a lookup costs about 0.1 ms of Python, and one dictionary miss when nothing matches.
+The engine calls the drafter from its own thread only; the cache has a lock all the same (metrics
+and tests read it from others). Its partitions are keyed by the request's `tenant` (None for all
+today: the server has one API key), so that one tenant's text never shapes another's drafts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from draftwise.errors import InvalidParameterError
+from draftwise.speculative.proposer import Draft, Footprint
+from draftwise.speculative.registry import DrafterSpec, Target, option, register
+from draftwise.speculative.sequence import SequenceState
+from draftwise.speculative.suffix_index import Continuation, SuffixIndex
+
+BYTES_PER_TOKEN = 184  # what a cached token costs (~180 bytes where no token repeats: tests/test_suffix.py)
+
+
+class SuffixCache:
+    """Earlier requests' text, one corpus per partition, least recently matched out first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_tokens = max(0, max_bytes // BYTES_PER_TOKEN)
+        self.partitions: dict[object, SuffixIndex] = {}
+        self.entries: OrderedDict[tuple[object, int], int] = OrderedDict()  # (partition, document) -> tokens
+        self.num_tokens = 0
+        self._dropped_tokens: dict[object, int] = {}
+        self._next_document = 0
+        self._lock = threading.Lock()
+
+    def add(self, partition: object, token_ids: list[int]) -> None:
+        token_ids = token_ids[-(self.max_tokens - 1):] if self.max_tokens > 1 else []
+        if not token_ids:
+            return
+        with self._lock:
+            index = self.partitions.setdefault(partition, SuffixIndex())
+            document, self._next_document = self._next_document, self._next_document + 1
+            index.extend(token_ids, document)
+            index.separate()
+            self.entries[(partition, document)] = len(token_ids) + 1
+            self.num_tokens += len(token_ids) + 1
+            while self.num_tokens > self.max_tokens:
+                self._evict()
+
+    def _evict(self) -> None:
+        (partition, document), size = self.entries.popitem(last=False)
+        self.num_tokens -= size
+        index = self.partitions[partition]
+        index.drop(document)
+        dropped = self._dropped_tokens.get(partition, 0) + size
+        if 2 * dropped > len(index):  # more dead than live: rebuild without them
+            index.compact()
+            dropped = 0
+        self._dropped_tokens[partition] = dropped
+
+    def lookup(self, partition: object, context: list[int], max_tokens: int, max_match: int,
+               min_probability: float) -> Continuation:
+        with self._lock:
+            index = self.partitions.get(partition)
+            if index is None:
+                return Continuation([], [], 0, 0)
+            found = index.lookup(context, max_tokens, max_match, min_probability)
+            for document in found.documents:
+                if (partition, document) in self.entries:
+                    self.entries.move_to_end((partition, document))  # recently useful: kept longer
+            return found
+
+
+class SuffixProposer:
+    catch_up_window = None
+
+    def __init__(self, options: "SuffixOptions") -> None:
+        self.options = options
+        self.own: dict[str, SuffixIndex] = {}  # request id -> its committed tokens, indexed
+        cache_bytes = int(options.suffix_cache_mb * 2 ** 20)
+        self.cache = SuffixCache(cache_bytes) if cache_bytes > 0 else None
+
+    def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
+        return [Draft(self._continuation(seq, k).token_ids if k > 0 else []) for seq, k in zip(seqs, num_tokens)]
+
+    def _continuation(self, seq: SequenceState, k: int) -> Continuation:
+        options = self.options
+        context = seq.token_ids
+        own = self._own_index(seq, context)
+        found = own.lookup(context, k, options.suffix_max_depth, options.suffix_min_probability)
+        if self.cache is not None:
+            shared = self.cache.lookup(getattr(seq, "tenant", None), context, k, options.suffix_max_depth,
+                                       options.suffix_min_probability)
+            if _promise(shared) > _promise(found):
+                found = shared
+        limit = max(1, int(options.suffix_max_spec_factor * found.match_length))
+        found.token_ids = found.token_ids[:limit]
+        return found
+
+    def _own_index(self, seq: SequenceState, context: list[int]) -> SuffixIndex:
+        index = self.own.get(seq.request_id)
+        if index is None or len(index) > len(context):
+            index = self.own[seq.request_id] = SuffixIndex()
+        index.extend(context[len(index):])  # committed tokens only grow
+        return index
+
+    def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
+        pass  # nothing drafted is indexed: the next lookup reads the committed tokens
+
+    def release(self, seq: SequenceState) -> None:
+        self.own.pop(seq.request_id, None)
+        if self.cache is not None and getattr(seq, "finished", False) and seq.output_ids:
+            prompt = seq.token_ids[:len(seq.token_ids) - len(seq.output_ids)]
+            tail = prompt[-self.options.suffix_max_depth:]  # a later request ending the same way matches into it
+            self.cache.add(getattr(seq, "tenant", None), tail + list(seq.output_ids))
+
+    def lag(self, seq: SequenceState) -> int:
+        return 0
+
+    def footprint(self) -> Footprint:
+        cached = self.cache.max_tokens * BYTES_PER_TOKEN if self.cache is not None else 0
+        return Footprint(weights_bytes=cached)
+
+
+def _promise(found: Continuation) -> tuple[float, int]:
+    """Expected accepted tokens (sum of path probabilities), then the match length."""
+    return sum(found.probabilities), found.match_length
+
+
+@dataclass(slots=True)
+class SuffixOptions:
+    suffix_max_depth: int = option(24, "longest context suffix matched (and cached prompt tail)")
+    suffix_max_spec_factor: float = option(1.0, "a draft is at most this many times the matched length")
+    suffix_min_probability: float = option(0.1, "a draft stops where its path's frequency falls below this")
+    suffix_cache_mb: float = option(64.0, "memory for earlier requests' text, shared by all requests (0: off)")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.suffix_max_depth, int) or isinstance(self.suffix_max_depth, bool) \
+                or self.suffix_max_depth < 2:
+            raise InvalidParameterError(f"suffix_max_depth must be an integer >= 2, got {self.suffix_max_depth!r}")
+        for name, low, high in (("suffix_max_spec_factor", 0.0, float("inf")), ("suffix_min_probability", 0.0, 1.0),
+                                ("suffix_cache_mb", 0.0, float("inf"))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high \
+                    or (name == "suffix_max_spec_factor" and value == 0):
+                raise InvalidParameterError(f"{name} must be a number in ({low}, {high}], got {value!r}"
+                                            if name == "suffix_max_spec_factor" else
+                                            f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def build_suffix(target: Target, options: SuffixOptions) -> SuffixProposer:
+    return SuffixProposer(options)
+
+
+register(DrafterSpec("suffix", "suffix decoding: the most frequent continuation of the context's ending in this "
+                               "request and in earlier requests' text", SuffixOptions, build_suffix))

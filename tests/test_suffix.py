@@ -1,0 +1,114 @@
+"""Suffix decoding: the index's continuations and frequencies, the shared cache's bounds and
+partitions, and the drafter on a model (a request seen before is drafted from the cache and every
+draft is accepted; the output stays plain decoding's)."""
+
+import tracemalloc
+
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.errors import InvalidParameterError
+from draftwise.speculative.drafters.suffix import BYTES_PER_TOKEN, SuffixCache, SuffixOptions
+from draftwise.speculative.suffix_index import SuffixIndex
+from tests.drafting import assert_drafted
+
+ANY = dict(max_match=24, min_probability=0.0)
+
+
+def test_the_most_frequent_continuation_of_the_longest_match_with_its_frequencies():
+    index = SuffixIndex()
+    # after (1, 2): 3 4 5 twice, 3 9 once; after (7, 1, 2) only 3 9: the longer match decides
+    index.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 7, 1, 2, 3, 9, 0])
+    found = index.lookup([8, 1, 2], 5, **ANY)
+    assert found.token_ids[:3] == [3, 4, 5] and found.match_length == 2 and found.occurrences == 3
+    assert found.probabilities[:3] == pytest.approx([1.0, 2 / 3, 2 / 3])
+    longer = index.lookup([7, 1, 2], 5, **ANY)
+    assert longer.token_ids[:2] == [3, 9] and longer.match_length == 3 and longer.occurrences == 1
+    # the draft stops where the path's frequency falls below the threshold
+    assert index.lookup([8, 1, 2], 5, max_match=24, min_probability=0.7).token_ids == [3]
+    assert index.lookup([5, 6], 5, **ANY).token_ids == []  # never seen
+    assert index.lookup([2], 5, **ANY).match_length == 1  # one token is a match too (a weak one)
+
+
+def test_an_old_long_match_is_found_behind_many_newer_short_ones():
+    index = SuffixIndex()
+    index.extend([10, 11, 12, 13, 14, 15, 16, 17], document=0)
+    index.separate()
+    for document in range(1, 200):  # token 13 many times since, never after 10 11 12
+        index.extend([50 + document % 7, 13, 60 + document % 5], document=document)
+        index.separate()
+    found = index.lookup([9, 10, 11, 12, 13], 3, **ANY)
+    assert found.token_ids == [14, 15, 16] and found.match_length == 4 and found.documents == {0}
+
+
+def test_the_context_itself_is_no_evidence_and_documents_do_not_run_into_each_other():
+    index = SuffixIndex()
+    index.extend([1, 2, 3], document=0)
+    assert index.lookup([1, 2, 3], 4, **ANY).token_ids == []  # 3 only at the very end: nothing after it
+    index.separate()
+    index.extend([2, 3, 4, 1, 2], document=1)
+    found = index.lookup([5, 1, 2], 4, **ANY)
+    assert found.token_ids == [3] and found.documents == {0}  # document 0 ends after 3: no crossing into 1
+    index.drop(0)
+    weaker = index.lookup([5, 1, 2], 4, **ANY)  # now only the 2 that opens document 1 (a one-token match)
+    assert weaker.documents == {1} and weaker.match_length == 1 and weaker.token_ids == [3, 4, 1, 2]
+    before = index.lookup([9, 2, 3], 4, **ANY)
+    index.compact()
+    assert list(index.tokens) == [2, 3, 4, 1, 2] and index.lookup([9, 2, 3], 4, **ANY) == before
+
+
+def test_the_cache_stays_in_its_bounds_evicts_the_least_recently_matched_and_keeps_tenants_apart():
+    cache = SuffixCache(max_bytes=30 * BYTES_PER_TOKEN)  # 30 tokens
+    cache.add("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # 10 with its separator
+    cache.add("a", [11, 12, 13, 14, 15, 16, 17, 18, 19])
+    cache.add("b", [1, 2, 3, 40, 50])
+    assert cache.lookup("a", [1, 2], 3, **ANY).token_ids == [3, 4, 5]
+    assert cache.lookup("b", [1, 2], 3, **ANY).token_ids == [3, 40, 50]  # its own text only
+    assert cache.lookup("c", [1, 2], 3, **ANY).token_ids == []
+    cache.add("a", [21, 22, 23, 24, 25, 26, 27, 28, 29])  # over 30: the least recently matched goes
+    assert cache.num_tokens <= 30
+    assert cache.lookup("a", [11, 12], 3, **ANY).token_ids == []  # evicted (never matched)
+    assert cache.lookup("a", [1, 2], 3, **ANY).token_ids == [3, 4, 5]  # matched recently: kept
+    for start in range(100, 1000, 10):  # many more: the corpus is compacted, never grows past its bound
+        cache.add("a", list(range(start, start + 9)))
+    assert cache.num_tokens <= 30 and len(cache.partitions["a"]) <= 2 * 30 + 10
+
+
+def test_a_cached_token_costs_about_what_the_bound_assumes():
+    cache = SuffixCache(max_bytes=10 ** 9)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for start in range(0, 200_000, 500):
+        cache.add(None, [(start + i * 7919) % 150_000 for i in range(500)])
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert 0.5 * BYTES_PER_TOKEN <= used / cache.num_tokens <= BYTES_PER_TOKEN  # no token repeats: the worst case
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"suffix_max_depth": 1}, "suffix_max_depth"), ({"suffix_min_probability": 1.5}, "suffix_min_probability"),
+    ({"suffix_max_spec_factor": 0}, "suffix_max_spec_factor"), ({"suffix_cache_mb": -1}, "suffix_cache_mb")])
+def test_bad_options_are_refused_by_name(options, message):
+    with pytest.raises(InvalidParameterError, match=message):
+        SuffixOptions(**options)
+
+
+def test_a_request_seen_before_is_drafted_from_the_cache_and_every_draft_is_accepted(tiny_qwen, drafting_pays):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = "Write a function that reverses a list:"
+    plain = LLM(str(tiny_qwen), max_model_len=256, progress=False).generate(prompt, params)[0]
+    llm = LLM(str(tiny_qwen), max_model_len=256, progress=False,
+              speculative={"method": "suffix", "num_speculative_tokens": 8})
+    first = llm.generate(prompt, params)[0]
+    before = llm.spec_metrics.num_accepted_tokens
+    again = llm.generate(prompt, params)[0]
+    assert first.token_ids == again.token_ids == plain.token_ids
+    assert_drafted([again])
+    spec = again.metrics.spec
+    assert spec.num_draft_tokens >= 16 and spec.num_accepted_tokens == spec.num_draft_tokens
+    assert llm.spec_metrics.num_accepted_tokens > before
+    # with the cache off the second run has only its own text
+    off = LLM(str(tiny_qwen), max_model_len=256, progress=False,
+              speculative={"method": "suffix", "num_speculative_tokens": 8, "suffix_cache_mb": 0})
+    off.generate(prompt, params)
+    assert off.generate(prompt, params)[0].metrics.spec.num_accepted_tokens < spec.num_accepted_tokens
