@@ -102,6 +102,8 @@ def string_constants(tree: ast.AST) -> list[tuple[int, str]]:
 
 NOT_DRAFTER_NAMES = {
     ("speculative/control/cost_model.py", "draft"),  # the JSON key of its table of drafting costs
+    ("server/requests.py", "suffix"),  # the OpenAI completions field (fill-in-the-middle)
+    ("benchmark/hostile_requests.py", "suffix"),  # the same field, sent by the hostile client
 }
 
 

@@ -36,8 +36,10 @@ def served_llm(tiny_qwen):
         patch.setattr("draftwise.speculative.drafter.load_or_measure", lambda *args, **kwargs: DRAFTING_PAYS)
         patch.setattr("draftwise.speculative.drafter.live_costs",
                       lambda target, proposer, config: PredictingOnly(DRAFTING_PAYS))
-        return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
-                   speculative={"method": "ngram", "num_speculative_tokens": 3})
+        llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
+                  speculative={"method": "ngram", "num_speculative_tokens": 3})
+        llm.prepare_drafter("suffix")  # offered per request, as `draftwise serve` offers every cheap drafter
+        return llm
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,18 @@ def test_per_request_speculation_and_its_usage(server):
     assert on.usage.speculation["num_draft_tokens"] > 0
     assert not getattr(off.usage, "speculation", None)
     assert fixed.usage.speculation["num_draft_tokens"] > 0
+
+
+def test_per_request_suffix_decoding_drafts_a_repeated_request_from_the_first(server, reference):
+    client = server.client()
+    prompt = "def reverse(items):"
+    extra = {"speculative": {"method": "suffix", "num_speculative_tokens": 6}, "ignore_eos": True}
+    first = client.completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
+    again = client.completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
+    expected = reference.generate(prompt, SamplingParams(**GREEDY, ignore_eos=True))[0].text
+    assert first.choices[0].text == again.choices[0].text == expected
+    speculation = again.usage.speculation
+    assert speculation["num_draft_tokens"] >= 12 and speculation["num_accepted_tokens"] == speculation["num_draft_tokens"]
 
 
 def test_api_key_guards_everything_but_health(tiny_qwen):
