@@ -92,12 +92,14 @@ class LLMRecipe:
         if not self.int8_activations:
             overrides[activation_choice.ACTIVATIONS_ENV] = "0"
         with _environment(overrides):
-            native.kernels.cache_clear()
+            if overrides:
+                native.kernels.cache_clear()
             try:
                 return LLM(self.model, speculative=self.speculative, quantization=self.quantization,
                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False)
             finally:
-                native.kernels.cache_clear()  # in-process builds after this one get the path they ask for
+                if overrides:  # in-process builds after this one get the path they ask for
+                    native.kernels.cache_clear()
 
 
 @contextmanager

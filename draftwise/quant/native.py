@@ -1,15 +1,14 @@
 """The native low-bit matmul kernels (kernels/lowbit_matmul.cpp), compiled on first use
 (`draftwise/native.py`).
 
-The kernels need AVX-512 with BF16 dot products and a C++ compiler. Where any of that is missing,
-`kernels()` returns None and the quantized layers use PyTorch's packed kernels instead: same
-weights, a different (slower for several rows) path. Set DRAFTWISE_NATIVE_KERNELS=0 to turn the
-native path off.
+The kernels need AVX-512 with BF16 and VNNI dot products (every CPU with the first has the second)
+and a C++ compiler. Where any of that is missing, `kernels()` returns None and the quantized layers
+use PyTorch's packed kernels instead: same weights, a different (slower for several rows) path.
+Set DRAFTWISE_NATIVE_KERNELS=0 to turn the native path off.
 """
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from pathlib import Path
 
@@ -32,11 +31,6 @@ def source_digest() -> str:
 
 @cache
 def kernels():
-    """The compiled extension module (int4_matmul, int8_matmul), or None where it cannot be had."""
+    """The compiled extension module (int4_matmul, int8_matmul, int8_matmul_q8), or None where it cannot be had."""
     return native.build("lowbit", SOURCE, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
 
-
-def set_enabled(enabled: bool) -> None:
-    """Turn the native path on or off for layers built from now on (benchmarks compare both)."""
-    os.environ[native.NATIVE_ENV] = "1" if enabled else "0"
-    kernels.cache_clear()
