@@ -11,6 +11,7 @@ from draftwise.quant import activation_choice
 from draftwise.quant.linear import Int8Linear
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.runner.model_runner import ModelRunner
+from tests.test_quantization import verify_pass_and_single_steps
 from tests.tiny_models import write_tiny_model
 
 BLOCK = activation_choice.ACTIVATION_BLOCK
@@ -64,12 +65,7 @@ def test_a_verification_pass_equals_single_steps_with_int8_activations(int8_acti
     model = load_model(folder, quantization="int8")
     assert all(layer.int8_activations for layer in model.modules() if isinstance(layer, Int8Linear))
     runner = ModelRunner(model, max_num_rows=2, max_len=128)
-    prompt, extra = [5, 17, 42, 99, 3, 250, 7], [8, 120, 33, 61, 2, 77, 14, 9]
-    rows = [runner.allocate() for _ in range(2)]
-    for row in rows:
-        runner.forward([row], [prompt], [1])
-    together = runner.forward([rows[0]], [extra], [len(extra)]).logits
-    steps = torch.cat([runner.forward([rows[1]], [[t]], [1]).logits for t in extra])
+    together, steps, _ = verify_pass_and_single_steps(runner, [5, 17, 42, 99, 3, 250, 7], [8, 120, 33, 61, 2, 77, 14, 9])
     assert torch.equal(together, steps)
 
 

@@ -100,18 +100,27 @@ def test_quantized_layers_are_batch_invariant(kind, native):
         assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(rows))
 
 
+def verify_pass_and_single_steps(runner: ModelRunner, prompt: list[int], extra: list[int]):
+    """The logits of `extra` after `prompt` in one pass on one row and as single steps on another
+    (both rows prefilled alike), and the two rows."""
+    rows = [runner.allocate() for _ in range(2)]
+    for row in rows:
+        runner.forward([row], [prompt], [1])
+    together = runner.forward([rows[0]], [extra], [len(extra)]).logits
+    steps = torch.cat([runner.forward([rows[1]], [[t]], [1]).logits for t in extra])
+    return together, steps, rows
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_verification_pass_equals_single_steps_bit_for_bit(tiny_qwen, quantization):
     """The property greedy losslessness rests on: k+1 tokens in one pass = k+1 decode steps."""
     runner = ModelRunner(load_model(tiny_qwen, quantization=quantization), max_num_rows=3, max_len=128)
     prompt, extra = [5, 17, 42, 99, 3, 250, 7], [8, 120, 33, 61, 2, 77]
-    rows = [runner.allocate() for _ in range(3)]
-    for row in rows:
-        runner.forward([row], [prompt], [1])
-    together = runner.forward([rows[0]], [extra], [len(extra)]).logits
-    steps = torch.cat([runner.forward([rows[1]], [[t]], [1]).logits for t in extra])
+    together, steps, rows = verify_pass_and_single_steps(runner, prompt, extra)
     assert torch.equal(together, steps)
-    ragged = runner.forward([rows[2], rows[1]], [extra[:2], [9]], [2, 1]).logits
+    third = runner.allocate()
+    runner.forward([third], [prompt], [1])
+    ragged = runner.forward([third, rows[1]], [extra[:2], [9]], [2, 1]).logits
     assert torch.equal(ragged[:2], together[:2])
 
 

@@ -55,12 +55,8 @@ def live_table(llm, prior, num_tokens: int) -> str:
     from draftwise.speculative.control.profile import _SAMPLE_TEXT
 
     live = LiveCostModel(prior)
-
-    llm.timing_listeners.append(live.observe_step)
-    try:
+    with llm.listening(live.observe_step):
         llm.generate(_SAMPLE_TEXT, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
-    finally:
-        llm.timing_listeners.remove(live.observe_step)
     summary = live.summary()
     lines = [f"\nLive costs after {num_tokens} generated tokens (the profile is their prior; points without "
              f"samples of their own move with the median ratio of all):\n",

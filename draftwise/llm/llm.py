@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,18 @@ class LLM:
             self.engine.add_drafter(config.method, drafter)
             self.cost_model = drafter.costs
         self.spec_metrics = SpecMetrics()  # totals over every finished request
+
+    @contextmanager
+    def listening(self, listener: Callable | None):
+        """Every engine step's `StepTiming` also goes to `listener` (None: to nobody more) within the block."""
+        if listener is None:
+            yield
+            return
+        self.timing_listeners.append(listener)
+        try:
+            yield
+        finally:
+            self.timing_listeners.remove(listener)
 
     def prepare_drafter(self, method: str) -> None:
         """Build the drafter that requests naming `method` use (with its defaults), if not built yet;

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from draftwise.llm import LLM
-from draftwise.planner.measure import listening, measure_acceptance, plain_requests
+from draftwise.planner.measure import measure_acceptance, plain_requests
 from draftwise.planner.memory import memory_report
 from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, predict, recommend,
                                     segment_counts, speculative_dict)
@@ -48,7 +48,7 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")
     live_plain = LiveCostModel(llm.measure_costs(None, None))
-    with listening(llm, live_plain.observe_step):
+    with llm.listening(live_plain.observe_step):
         requests, plain_seconds = plain_requests(llm, items)
     simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True).seconds
     calibration = plain_seconds / simulated

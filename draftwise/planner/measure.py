@@ -11,7 +11,6 @@ drafter rarely reaches keep the last well-measured rate.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 
 from draftwise.llm import LLM
 from draftwise.planner.simulate import Acceptance, Request
@@ -43,26 +42,13 @@ def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k:
     llm.set_speculative({**speculative, "num_speculative_tokens": k, "adaptive": False}, progress=False)
     listener = listener_after_install() if listener_after_install is not None else None
     by_segment: dict[str, SpecMetrics] = {}
-    with listening(llm, listener):
+    with llm.listening(listener):
         for item in items:
             output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens),
                                   segment=item.segment or None)[0]
             if output.metrics.spec is not None:
                 by_segment.setdefault(item.segment, SpecMetrics()).merge(output.metrics.spec)
     return {segment: acceptance_from(metrics) for segment, metrics in by_segment.items()}
-
-
-@contextmanager
-def listening(llm: LLM, listener: Callable | None):
-    """The engine's step timings go to `listener` (if any) meanwhile."""
-    if listener is None:
-        yield
-        return
-    llm.timing_listeners.append(listener)
-    try:
-        yield
-    finally:
-        llm.timing_listeners.remove(listener)
 
 
 def acceptance_from(metrics: SpecMetrics) -> Acceptance:

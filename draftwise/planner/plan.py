@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from draftwise.planner.simulate import Acceptance, Policy, Prediction, Request, simulate
+from draftwise.planner.simulate import Policy, Request, simulate
 from draftwise.speculative.registry import all_specs
 
 PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% above plain

@@ -140,25 +140,30 @@ void quad(int rows, const Weights& w, const at::BFloat16* x, int64_t k, int64_t 
 
 // Channel quads split across threads; within a quad, the rows in tiles of up to 8 (a quad's
 // weights stay in L1 across the tiles). Large M (prefill) runs in blocks of rows so x stays in cache.
+// tile(rows, first_row, first_channel) computes out[first_row .. first_row + rows, the quad's channels].
+template <typename Tile>
+void over_tiles(int64_t m, int64_t n, Tile tile) {
+  const int64_t quads = (n + 3) / 4;
+  constexpr int64_t kRowBlock = 64;
+  for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, m - row0);
+    at::parallel_for(0, quads, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q)
+        for (int64_t r = 0; r < block; r += kMaxRows)
+          tile(static_cast<int>(std::min<int64_t>(kMaxRows, block - r)), row0 + r, 4 * q);
+    });
+  }
+}
+
 template <typename Weights>
 torch::Tensor matmul(const Weights& w, const torch::Tensor& x, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1);
   auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   float* op = out.data_ptr<float>();
-  const int64_t quads = (n + 3) / 4;
-  constexpr int64_t kRowBlock = 64;
-  for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
-    const int64_t block = std::min(kRowBlock, m - row0);
-    at::parallel_for(0, quads, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        for (int64_t r = 0; r < block; r += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, block - r));
-          quad(rows, w, xp + (row0 + r) * k, k, 4 * q, op + (row0 + r) * n, n);
-        }
-      }
-    });
-  }
+  over_tiles(m, n, [&](int rows, int64_t row, int64_t channel) {
+    quad(rows, w, xp + row * k, k, channel, op + row * n, n);
+  });
   return out;
 }
 
@@ -296,19 +301,10 @@ torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor weights, torch::Tens
   const float* qs = q_scales.data_ptr<float>();
   const float* cp = correction.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t quads = (n + 3) / 4, blocks = k / kActBlock;
-  constexpr int64_t kRowBlock = 64;
-  for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
-    const int64_t block = std::min(kRowBlock, m - row0);
-    at::parallel_for(0, quads, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t quad = begin; quad < end; ++quad)
-        for (int64_t r = 0; r < block; r += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, block - r));
-          const int64_t row = row0 + r;
-          quad_q8(rows, w, ws, k, qp + row * k, qs + row * blocks, cp + row, 4 * quad, n, op + row * n);
-        }
-    });
-  }
+  const int64_t blocks = k / kActBlock;
+  over_tiles(m, n, [&](int rows, int64_t row, int64_t channel) {
+    quad_q8(rows, w, ws, k, qp + row * k, qs + row * blocks, cp + row, channel, n, op + row * n);
+  });
   return out;
 }
 
