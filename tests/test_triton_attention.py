@@ -38,6 +38,20 @@ CHECK = textwrap.dedent("""
                                      torch.zeros(1, dtype=torch.long, device=device), positions[b, s:s + 1])
             assert torch.equal(alone, out[b:b + 1, :, s:s + 1]), (b, s)
     assert worst < 1e-4, worst
+
+    # A token tree in row 2: new tokens stored at 60..63 with parents (-1, 0, 0, 2) sit at positions
+    # 60, 61, 61, 62; token 3 reads stored 60, 62, 63. It must compute what the chain of those
+    # tokens computes, bit for bit: the same keys moved to positions 60, 61, 62.
+    tree_positions = torch.tensor([60, 61, 61, 62], device=device)
+    paths = torch.tensor([[60, 60, 60, 60], [60, 61, 60, 60], [60, 62, 60, 60], [60, 62, 63, 60]], device=device)
+    tree = triton_attention(q[2:3], keys, values, tables[2:3], page, torch.zeros(4, dtype=torch.long, device=device),
+                            tree_positions, torch.full((4,), 60, device=device), paths)
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[key_slots[2, 61:63]] = keys[key_slots[2, 62:64]]
+    moved_values[key_slots[2, 61:63]] = values[key_slots[2, 62:64]]
+    chain = triton_attention(q[2:3, :, 3:4].contiguous(), moved_keys, moved_values, tables[2:3], page,
+                             torch.zeros(1, dtype=torch.long, device=device), tree_positions[3:4])
+    assert torch.equal(tree[:, :, 3:4], chain)
     print("ok", worst)
 """)
 

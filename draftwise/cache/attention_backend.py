@@ -11,6 +11,12 @@
 - masked (any device, long prompts past PER_QUERY_MAX): one SDPA call with a causal mask; fast for
   prefill, not batch-invariant (a draft model's catch-up may then round differently from the
   target's prefill: only acceptance can suffer, never the output).
+
+Token trees: a pass may carry, per query, a *path* (`path_start` [N], `path` [N, T]): its key
+positions from path_start on are read from the stored positions the path lists (its ancestors in
+the tree, then itself). Every backend but the masked one honours it, reading exactly the keys a
+chain of those ancestors would hold, in the same order: a tree node's attention is bit for bit that
+of the same token verified in a chain.
 """
 
 from __future__ import annotations
@@ -48,48 +54,63 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str |
 
 def kernel_attention(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      block_tables: torch.Tensor, block_size: int, query_rows: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
+                     positions: torch.Tensor, path_start: torch.Tensor | None = None,
+                     path: torch.Tensor | None = None) -> torch.Tensor:
     attend = native_attention if kernel == "native" else triton_attention.triton_attention
-    return attend(q, keys, values, block_tables, block_size, query_rows, positions)
+    return attend(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path)
 
 
 @torch.library.custom_op("draftwise::paged_attention", mutates_args=())
 def _paged_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
-                        block_size: int, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                        block_size: int, query_rows: torch.Tensor, positions: torch.Tensor, path_start: torch.Tensor,
+                        path: torch.Tensor) -> torch.Tensor:
     """The native kernel as a custom op, so that `torch.compile(fullgraph=True)` traces through it."""
     return native_kernels().paged_attention(q, keys, values, block_tables, block_size, query_rows, positions,
-                                            q.shape[-1] ** -0.5)
+                                            path_start, path, q.shape[-1] ** -0.5)
 
 
 @_paged_attention_op.register_fake
-def _(q, keys, values, block_tables, block_size, query_rows, positions):
+def _(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path):
     return torch.empty_like(q)
 
 
 def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
-                     block_size: int, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                     block_size: int, query_rows: torch.Tensor, positions: torch.Tensor,
+                     path_start: torch.Tensor | None = None, path: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; block_tables [B, W] each
-    row's blocks of `block_size` slots in position order; query_rows, positions [B*S]. Returns
-    [B, Hq, S, D]."""
+    row's blocks of `block_size` slots in position order; query_rows, positions [B*S]; token trees'
+    path_start [B*S] and path [B*S, T] (None: no tree). Returns [B, Hq, S, D]."""
     batch, heads, seq, dim = q.shape
     flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
+    if path is None:
+        path_start = path = _NO_PATH
     if torch.compiler.is_compiling():
-        out = _paged_attention_op(flat, keys, values, block_tables, block_size, query_rows, positions)
+        out = _paged_attention_op(flat, keys, values, block_tables, block_size, query_rows, positions, path_start, path)
     else:
         out = native_kernels().paged_attention(flat, keys, values, block_tables, block_size, query_rows, positions,
-                                               dim ** -0.5)
+                                               path_start, path, dim ** -0.5)
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
-def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        host_positions: list[list[int]]) -> torch.Tensor:
-    """q [B, Hq, S, D] over k, v [B, Hkv, T, D]: each query alone over keys 0..its position."""
+_NO_PATH = torch.empty(0, dtype=torch.long)
+
+
+def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host_positions: list[list[int]],
+                        host_keys: list[list[list[int]] | None] | None = None) -> torch.Tensor:
+    """q [B, Hq, S, D] over k, v [B, Hkv, T, D]: each query alone over keys 0..its position, or,
+    where host_keys[b][s] lists them (a token tree), over exactly those stored positions."""
     rows = []
     for b, row_positions in enumerate(host_positions):
-        rows.append(torch.cat([
-            F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1],
-                                           enable_gqa=True)
-            for s, p in enumerate(row_positions)], dim=2))
+        keys_of = host_keys[b] if host_keys is not None else None
+        outputs = []
+        for s, p in enumerate(row_positions):
+            if keys_of is None:
+                key, value = k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1]
+            else:
+                index = torch.tensor(keys_of[s], device=k.device)
+                key, value = k[b:b + 1, :, index], v[b:b + 1, :, index]
+            outputs.append(F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], key, value, enable_gqa=True))
+        rows.append(torch.cat(outputs, dim=2))
     return torch.cat(rows)  # [B, Hq, S, D]
 
 

@@ -42,33 +42,58 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
     def view(self, handles: list[int], host_positions: list[list[int]], host_valid: list[list[bool]] | None,
-             kv_length: int) -> "KVCacheView":
-        return KVCacheView(self, handles, host_positions, host_valid, kv_length)
+             kv_length: int, host_paths: list[list[list[int]] | None] | None = None) -> "KVCacheView":
+        return KVCacheView(self, handles, host_positions, host_valid, kv_length, host_paths)
+
+    def move(self, handle: int, sources: list[int], destination: int) -> None:
+        """Every layer's keys and values stored at the sequence's positions `sources` go to its
+        positions destination, destination + 1, ... (a tree's committed path into chain order;
+        the sources are read before anything is written)."""
+        if not sources:
+            return
+        blocks = self.blocks
+        device = self.keys.device
+        source_slots = torch.tensor([blocks.slot(handle, p) for p in sources], device=device)
+        target_slots = torch.tensor([blocks.slot(handle, destination + i) for i in range(len(sources))], device=device)
+        self.keys[:, target_slots] = self.keys[:, source_slots]
+        self.values[:, target_slots] = self.values[:, source_slots]
 
 
 class KVCacheView:
     """The sequences one forward pass writes and reads, in batch order.
 
-    host_positions [B][S] are where each new token goes; host_valid [B][S] (None: all) marks real
+    host_positions [B][S] are the new tokens' positions; host_valid [B][S] (None: all) marks real
     tokens: padding of a ragged batch writes to the scratch slot. Keys cover positions
     0..kv_length-1 of every row (a row's positions past its own length hold stale data that no query
-    attends to).
+    attends to). A row fed a token tree has host_paths[b] (`token_tree.paths`): its tokens are stored
+    one after another from host_positions[b][0] on, and token s reads the keys before that, then
+    those at host_paths[b][s]; rows without one (None) are chains.
     """
 
     def __init__(self, cache: KVCache, handles: list[int], host_positions: list[list[int]],
-                 host_valid: list[list[bool]] | None, kv_length: int) -> None:
+                 host_valid: list[list[bool]] | None, kv_length: int,
+                 host_paths: list[list[list[int]] | None] | None = None) -> None:
         self.cache = cache
         self.host_positions = host_positions  # [B][S]
+        if host_paths is not None:
+            host_paths = [None if row_paths is None else _pad_paths(row_paths, row_positions)
+                          for row_paths, row_positions in zip(host_paths, host_positions)]
+        self.host_keys = None if host_paths is None else [  # [B][S][keys] per tree row: the stored positions read
+            None if row_paths is None else [list(range(row_paths[0][0])) + path for path in row_paths]
+            for row_paths in host_paths]
         blocks = cache.blocks
         device = cache.keys.device
-        write_slots = [blocks.slot(handle, p) if host_valid is None or host_valid[b][s] else cache.scratch_slot
-                       for b, handle in enumerate(handles) for s, p in enumerate(host_positions[b])]
+        write_slots = [blocks.slot(handle, stored_position(host_positions[b], host_paths, b, s))
+                       if host_valid is None or host_valid[b][s] else cache.scratch_slot
+                       for b, handle in enumerate(handles) for s in range(len(host_positions[b]))]
         self._write_slots = torch.tensor(write_slots, device=device)  # [B*S]
         self._kv_length = kv_length
         if cache.kernel is not None:
             self._block_tables = _block_table(blocks, handles, kv_length, device)  # [B, W]
             self._query_rows = torch.arange(len(handles), device=device).repeat_interleave(len(host_positions[0]))
             self._positions = torch.tensor(host_positions, device=device).flatten()  # [B*S]
+            self._path_start, self._path = (None, None) if host_paths is None else \
+                kernel_paths(host_positions, host_paths, device)
             return
         start = blocks.contiguous_start(handles[0], kv_length) if len(handles) == 1 else None
         self._slice = None if start is None else slice(start, start + kv_length)
@@ -91,10 +116,10 @@ class KVCacheView:
             return attention_backend.kernel_attention(self.cache.kernel, q, self.cache.keys[layer],
                                                       self.cache.values[layer], self._block_tables,
                                                       self.cache.blocks.block_size, self._query_rows,
-                                                      self._positions)
+                                                      self._positions, self._path_start, self._path)
         k, v = self.read(layer, self._kv_length)  # [B, Hkv, T, D]
-        if q.shape[2] <= attention_backend.PER_QUERY_MAX:
-            return attention_backend.per_query_attention(q, k, v, self.host_positions)
+        if q.shape[2] <= attention_backend.PER_QUERY_MAX or self.host_keys is not None:
+            return attention_backend.per_query_attention(q, k, v, self.host_positions, self.host_keys)
         return attention_backend.masked_attention(q, k, v, positions)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +131,36 @@ class KVCacheView:
                     self.cache.values[layer, self._slice].unsqueeze(0).transpose(1, 2))
         return (self.cache.keys[layer][self._read_slots].transpose(1, 2),  # [B, T, Hkv, D] -> [B, Hkv, T, D]
                 self.cache.values[layer][self._read_slots].transpose(1, 2))
+
+
+def stored_position(row_positions: list[int], host_paths: list[list[list[int]] | None] | None, b: int,
+                    s: int) -> int:
+    """Where token s of row b is stored: its position in a chain; one after another in a tree."""
+    if host_paths is None or host_paths[b] is None:
+        return row_positions[s]
+    return row_positions[0] + s
+
+
+def _pad_paths(row_paths: list[list[int]], row_positions: list[int]) -> list[list[int]]:
+    """A tree row's paths for all S tokens of the pass: a padding token (past the row's own) reads
+    the first new token's key, once per position up to its own (its output is dropped)."""
+    start = row_positions[0]
+    return row_paths + [[start] * (position - start + 1) for position in row_positions[len(row_paths):]]
+
+
+def kernel_paths(host_positions: list[list[int]], host_paths: list[list[list[int]] | None],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' path_start [B*S] and path [B*S, S]: each query's stored key positions from its
+    row's first new token on (a chain row: the identity)."""
+    width = len(host_positions[0])
+    starts, rows = [], []
+    for row_positions, row_paths in zip(host_positions, host_paths):
+        start = row_positions[0]
+        for s, position in enumerate(row_positions):
+            path = row_paths[s] if row_paths is not None else list(range(start, position + 1))
+            starts.append(start)
+            rows.append(path + [start] * (width - len(path)))
+    return torch.tensor(starts, device=device), torch.tensor(rows, device=device)
 
 
 def _block_table(blocks: BlockManager, handles: list[int], length: int, device: torch.device) -> torch.Tensor:

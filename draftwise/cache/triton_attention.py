@@ -32,14 +32,16 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, positions_ptr, out_ptr, scale,
-                                stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_tables_b, page_size,
-                                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                BLOCK: tl.constexpr):
+    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, positions_ptr, path_start_ptr, path_ptr,
+                                out_ptr, scale, stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_tables_b,
+                                stride_path_n, page_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PATH: tl.constexpr):
         n = tl.program_id(0)  # the query
         g = tl.program_id(1)  # its kv head; query heads g * GROUP .. g * GROUP + GROUP - 1 share it
         row = tl.load(rows_ptr + n)
         position = tl.load(positions_ptr + n)
+        if HAS_PATH:  # a token tree: key positions from path_start on are read where the path says
+            path_start = tl.load(path_start_ptr + n)
         heads = g * GROUP + tl.arange(0, GROUP_PAD)  # [G]
         head_ok = tl.arange(0, GROUP_PAD) < GROUP
         dims = tl.arange(0, HEAD_DIM)  # [D]
@@ -51,8 +53,13 @@ if triton is not None:
         for start in range(0, position + 1, BLOCK):
             offsets = start + tl.arange(0, BLOCK)  # [N]
             visible = offsets <= position
-            pages = tl.load(tables_ptr + row * stride_tables_b + offsets // page_size, mask=visible, other=0)
-            slots = pages * page_size + offsets % page_size
+            stored = offsets
+            if HAS_PATH:
+                on_path = visible & (offsets >= path_start)
+                stored = tl.where(on_path, tl.load(path_ptr + n * stride_path_n + offsets - path_start, mask=on_path,
+                                                   other=0), offsets)
+            pages = tl.load(tables_ptr + row * stride_tables_b + stored // page_size, mask=visible, other=0)
+            slots = pages * page_size + stored % page_size
             kv_offsets = slots[:, None] * stride_kv_s + g * stride_kv_h + dims[None, :]  # [N, D]
             k = tl.load(k_ptr + kv_offsets, mask=visible[:, None], other=0.0)
             v = tl.load(v_ptr + kv_offsets, mask=visible[:, None], other=0.0)
@@ -70,17 +77,23 @@ if triton is not None:
 
 
 def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
-                     block_size: int, query_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                     block_size: int, query_rows: torch.Tensor, positions: torch.Tensor,
+                     path_start: torch.Tensor | None = None, path: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; block_tables [B, W] each
-    row's blocks of `block_size` slots in position order; query_rows, positions [B*S]. Returns
+    row's blocks of `block_size` slots in position order; query_rows, positions [B*S]; for token
+    trees path_start [B*S] and path [B*S, T] (see `kernels/paged_attention.cpp`). Returns
     [B, Hq, S, D]."""
     batch, heads, seq, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
     out = torch.empty_like(flat)
+    has_path = path is not None and path.numel() > 0
+    if not has_path:
+        path_start = path = positions  # never read
     _paged_attention_kernel[(batch * seq, kv_heads)](
-        flat, keys, values, block_tables, query_rows, positions, out, dim ** -0.5,
-        flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0), block_size,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=BLOCK_N)
+        flat, keys, values, block_tables, query_rows, positions, path_start, path, out, dim ** -0.5,
+        flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
+        path.stride(0) if has_path else 0, block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=dim, BLOCK=BLOCK_N, HAS_PATH=has_path)
     return out.view(batch, seq, heads, dim).transpose(1, 2)

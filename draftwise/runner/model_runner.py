@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftwise.cache import token_tree
 from draftwise.cache.kv_cache import KVCache
 from draftwise.errors import InvalidParameterError, PromptTooLongError
 from draftwise.model.transformer import Transformer
@@ -88,8 +89,19 @@ class ModelRunner:
         *,
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
+        parents: list[list[int] | None] | None = None,
     ) -> ForwardResult:
-        """Append token_ids[b] to sequence rows[b] and return logits for its last num_logits[b] tokens."""
+        """Append token_ids[b] to sequence rows[b] and return logits for its last num_logits[b] tokens.
+
+        parents[b] (None: a chain) makes row b's new tokens a token tree (`draftwise.cache.token_tree`):
+        each attends the cached tokens and its ancestors only. They are stored one after another;
+        `keep_path` then moves a committed root path into place."""
+        if parents is not None:
+            for row_parents, ids in zip(parents, token_ids):
+                if row_parents is not None:
+                    if len(row_parents) != len(ids):
+                        raise ValueError(f"a tree of {len(row_parents)} parents for {len(ids)} tokens")
+                    token_tree.check_parents(row_parents)
         lengths = [self.blocks.lengths[row] for row in rows]
         counts = [len(ids) for ids in token_ids]
         for row, length, count in zip(rows, lengths, counts):
@@ -101,18 +113,25 @@ class ModelRunner:
         width = max(counts)
         if self.static_step is not None and num_layers is None and not capture_layers \
                 and self.static_step.fits(len(rows), width):
-            result = self._static_forward(rows, token_ids, lengths, num_logits)
+            result = self._static_forward(rows, token_ids, lengths, num_logits, parents)
         else:
-            result = self._eager_forward(rows, token_ids, lengths, num_logits, num_layers, capture_layers)
+            result = self._eager_forward(rows, token_ids, lengths, num_logits, num_layers, capture_layers, parents)
         for row, length, count in zip(rows, lengths, counts):
             self.blocks.set_length(row, length + count)
         return result
 
+    def keep_path(self, handle: int, stored: list[int], destination: int) -> None:
+        """A tree's committed root path, stored at positions `stored`, moves to destination,
+        destination + 1, ...: where a chain would have put it."""
+        first = next((i for i, p in enumerate(stored) if p != destination + i), None)
+        if first is not None:  # (a path whose head is in place already keeps it there)
+            self.cache.move(handle, stored[first:], destination + first)
+
     def _static_forward(self, rows: list[int], token_ids: list[list[int]], lengths: list[int],
-                        num_logits: list[int]) -> ForwardResult:
+                        num_logits: list[int], parents: list[list[int] | None] | None) -> ForwardResult:
         step = self.static_step
         bucket = step.bucket(len(rows), max(len(ids) for ids in token_ids), any(n > 1 for n in num_logits))
-        logits = step.run(bucket, step.prepare(bucket, rows, token_ids, lengths))  # [R'*L', V]
+        logits = step.run(bucket, step.prepare(bucket, rows, token_ids, lengths, parents))  # [R'*L', V]
         _, width, per_row = bucket
         if per_row == 1:
             index = list(range(len(rows)))
@@ -121,19 +140,26 @@ class ModelRunner:
         return ForwardResult(logits[index], _cumulative(num_logits))
 
     def _eager_forward(self, rows: list[int], token_ids: list[list[int]], lengths: list[int],
-                       num_logits: list[int], num_layers: int | None,
-                       capture_layers: tuple[int, ...]) -> ForwardResult:
+                       num_logits: list[int], num_layers: int | None, capture_layers: tuple[int, ...],
+                       parents: list[list[int] | None] | None) -> ForwardResult:
         counts = [len(ids) for ids in token_ids]
         width = max(counts)
         kv_length = max(length + count for length, count in zip(lengths, counts))
         padded = [ids + [0] * (width - len(ids)) for ids in token_ids]
         # Padding positions continue the row (capped inside the keys read); their outputs are dropped.
         positions = [[min(length + s, kv_length - 1) for s in range(width)] for length in lengths]
+        paths = None
+        if parents is not None and any(p is not None for p in parents):
+            paths = [None if p is None else token_tree.paths(p, length) for p, length in zip(parents, lengths)]
+            for b, row_parents in enumerate(parents):
+                if row_parents is not None:  # a tree's tokens sit at their depth; its padding at the start
+                    depth = token_tree.depths(row_parents)
+                    positions[b] = [lengths[b] + depth[s] if s < counts[b] else lengths[b] for s in range(width)]
         valid = None if min(counts) == width else [[s < count for s in range(width)] for count in counts]
 
         token_tensor = torch.tensor(padded, device=self.device)  # [B, S]
         position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
-        view = self.cache.view(rows, positions, valid, kv_length)
+        view = self.cache.view(rows, positions, valid, kv_length, paths)
         hidden, captured = self.model.hidden_states(token_tensor, position_tensor, view, num_layers=num_layers,
                                                     capture_layers=capture_layers)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from draftwise.cache import attention_backend
+from draftwise.cache import attention_backend, token_tree
 from draftwise.cache.kv_cache import KVCache, write_kv
 from draftwise.errors import InvalidParameterError
 from draftwise.model.transformer import Transformer
@@ -50,6 +50,8 @@ class StepTensors:
     block_tables: torch.Tensor  # [R, W]
     query_rows: torch.Tensor  # [R*S]
     logit_index: torch.Tensor  # [R*L] which of the R*S tokens go through the LM head
+    path_start: torch.Tensor  # [R*S] each query's row length before the pass
+    path: torch.Tensor  # [R*S, S] the stored positions each query reads from there on (token trees; chains: in order)
 
     def copy_(self, other: "StepTensors") -> None:
         for name in (f.name for f in fields(self)):
@@ -71,7 +73,7 @@ class TensorKVView:
         return attention_backend.kernel_attention(self.cache.kernel, q, self.cache.keys[layer],
                                                   self.cache.values[layer], self.inputs.block_tables,
                                                   self.cache.blocks.block_size, self.inputs.query_rows,
-                                                  positions.flatten())
+                                                  positions.flatten(), self.inputs.path_start, self.inputs.path)
 
 
 def step_logits(model: Transformer, cache: KVCache, inputs: StepTensors) -> torch.Tensor:
@@ -113,27 +115,37 @@ class StaticStep:
         tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
         return rows, tokens, tokens if all_logits else 1
 
-    def prepare(self, bucket: Bucket, rows: list[int], token_ids: list[list[int]],
-                lengths: list[int]) -> StepTensors:
+    def prepare(self, bucket: Bucket, rows: list[int], token_ids: list[list[int]], lengths: list[int],
+                parents: list[list[int] | None] | None = None) -> StepTensors:
         """The bucket's inputs: row b's token_ids[b] appended after its lengths[b] cached tokens
-        (the sequences' blocks already cover them)."""
+        (the sequences' blocks already cover them), as a chain or, where parents[b] says, a token
+        tree (`draftwise.cache.token_tree`)."""
         num_rows, width, num_logits = bucket
         blocks, size = self.cache.blocks, self.cache.blocks.block_size
-        tokens, positions, slots, tables, picks = [], [], [], [], []
+        tokens, positions, slots, tables, picks, starts, paths = [], [], [], [], [], [], []
         for b in range(num_rows):
             real = b < len(rows)
             ids = token_ids[b] if real else []
             start = lengths[b] if real else 0
             table = blocks.tables[rows[b]] if real else []
+            row_parents = parents[b] if real and parents is not None and parents[b] is not None \
+                else token_tree.chain_parents(len(ids))
+            depth = token_tree.depths(row_parents)
+            row_paths = token_tree.paths(row_parents, start)
             tokens.append(ids + [0] * (width - len(ids)))
-            positions.append([start + s if s < len(ids) else start for s in range(width)])
+            positions.append([start + depth[s] if s < len(ids) else start for s in range(width)])
+            starts += [start] * width
+            for s in range(width):  # (padding reads the first new token's key: its output is dropped)
+                path = row_paths[s] if s < len(ids) else [start]
+                paths.append(path + [start] * (width - len(path)))
             slots += [table[(start + s) // size] * size + (start + s) % size if s < len(ids)
                       else self.cache.scratch_slot for s in range(width)]
             tables.append(table[:self.width] + [0] * (self.width - len(table)))
             picks += [b * width + max(len(ids) - 1, 0)] if num_logits == 1 else [b * width + s for s in range(width)]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return StepTensors(as_tensor(tokens), as_tensor(positions), as_tensor(slots), as_tensor(tables),
-                           torch.arange(num_rows, device=self.device).repeat_interleave(width), as_tensor(picks))
+                           torch.arange(num_rows, device=self.device).repeat_interleave(width), as_tensor(picks),
+                           as_tensor(starts), as_tensor(paths))
 
     def run(self, bucket: Bucket, inputs: StepTensors) -> torch.Tensor:
         """Logits [R'*L', V] of the bucket (valid until the next run of the same bucket in "graph" mode)."""

@@ -22,7 +22,14 @@
 //                                        slot block_tables[b, t / block_size] * block_size + t % block_size
 //   query_rows   int64 [N]               the row of each query
 //   positions    int64 [N]               the position of each query (it sees keys 0..position)
+//   path_start   int64 [N]               token trees (else both empty): key positions t >= path_start[n] of
+//   path         int64 [N, T]            query n are read from position path[n, t - path_start[n]] (its
+//                                        ancestors in the tree, then itself, stored wherever the pass put them)
 //   out          float [N, Hq, D]
+//
+// A tree node at depth d thus attends exactly the keys a chain query at the same position attends in a
+// chain made of its ancestors, in the same order, with the same arithmetic: verifying a tree computes,
+// along every root path, what verifying that path alone computes, bit for bit.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -94,9 +101,12 @@ inline __mmask16 first_lanes(int64_t count) {
 // consecutive). The heads go through each block of 16 keys (and values) while it is in L1; each
 // head's arithmetic, and its order, is that of the head alone.
 void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks, int64_t block_size,
-                  int64_t position, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
-                  float* scratch, float* out) {
-  auto slot = [&](int64_t t) { return blocks[t / block_size] * block_size + t % block_size; };
+                  int64_t position, const int64_t* path, int64_t path_start, int64_t kv_head, int64_t num_kv_heads,
+                  int64_t group, int64_t d, float scale, float* scratch, float* out) {
+  auto slot = [&](int64_t t) {
+    const int64_t stored = (path != nullptr && t >= path_start) ? path[t - path_start] : t;
+    return blocks[stored / block_size] * block_size + stored % block_size;
+  };
   const int64_t stride = num_kv_heads * d;  // between consecutive slots
   const int64_t width = (position + 16) / 16 * 16;  // score slots per head
   float* scores = scratch;  // [group, width]
@@ -153,7 +163,8 @@ void attend_group(const float* q, const float* keys, const float* values, const 
 }  // namespace
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor block_tables,
-                              int64_t block_size, torch::Tensor query_rows, torch::Tensor positions, double scale) {
+                              int64_t block_size, torch::Tensor query_rows, torch::Tensor positions,
+                              torch::Tensor path_start, torch::Tensor path, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32,
               "paged_attention: fp32 only");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && block_tables.is_contiguous(),
@@ -171,8 +182,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   const int64_t* pos_ptr = positions.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t group = num_heads / num_kv_heads;
+  const bool tree = path.numel() > 0;
+  const int64_t path_width = tree ? path.size(1) : 0;
+  const int64_t* start_ptr = tree ? path_start.data_ptr<int64_t>() : nullptr;
+  const int64_t* path_ptr = tree ? path.data_ptr<int64_t>() : nullptr;
+  TORCH_CHECK(!tree || (path.is_contiguous() && path.size(0) == num_queries && path_start.numel() == num_queries),
+              "paged_attention: path must be [N, T] with path_start [N]");
   for (int64_t n = 0; n < num_queries; ++n) {
     TORCH_CHECK(pos_ptr[n] >= 0 && pos_ptr[n] < table_width, "paged_attention: a position past its row's block table");
+    if (tree) {
+      TORCH_CHECK(start_ptr[n] >= 0 && pos_ptr[n] - start_ptr[n] < path_width, "paged_attention: a path too short");
+      for (int64_t t = start_ptr[n]; t <= pos_ptr[n]; ++t) {
+        const int64_t stored = path_ptr[n * path_width + t - start_ptr[n]];
+        TORCH_CHECK(stored >= 0 && stored < table_width, "paged_attention: a path entry past its row's block table");
+      }
+    }
   }
   TORCH_CHECK(group <= 64, "paged_attention: at most 64 query heads per kv head");
   at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -181,8 +205,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
       const int64_t n = task / num_kv_heads, g = task % num_kv_heads;
       const int64_t first_head = n * num_heads + g * group;
       attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table_ptr + row_ptr[n] * block_tables.size(1), block_size,
-                   pos_ptr[n], g, num_kv_heads, group, d, static_cast<float>(scale), scratch.data(),
-                   out_ptr + first_head * d);
+                   pos_ptr[n], tree ? path_ptr + n * path_width : nullptr, tree ? start_ptr[n] : 0, g, num_kv_heads,
+                   group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
     }
   });
   return out;
