@@ -49,6 +49,11 @@ CONFIGS = {
     "ngram": lambda target, draft, k: dict(method="ngram", num_speculative_tokens=k),
     "layer_skip": lambda target, draft, k: dict(method="layer_skip", num_layers=1, num_speculative_tokens=k),
     "suffix": lambda target, draft, k: dict(method="suffix", num_speculative_tokens=k),
+    "suffix tree": lambda target, draft, k: dict(method="suffix", num_speculative_tokens=k, suffix_max_branches=3),
+    "draft=target tree": lambda target, draft, k: dict(method="draft", model=str(target), num_speculative_tokens=k,
+                                                       draft_branches=2),
+    "random draft tree": lambda target, draft, k: dict(method="draft", model=str(draft), num_speculative_tokens=k,
+                                                       draft_branches=3),
 }
 # What each drafter's drafts come to on tiny_qwen. The random model does not continue its prompt,
 # so prompt lookup (which does propose on REPETITIVE) is never right here; test_ngram_partial_acceptance
@@ -56,7 +61,8 @@ CONFIGS = {
 # Suffix decoding drafts from REPETITIVE (its own text) and, in the batched run, from the solo run's
 # outputs in its cache, which are right: test_suffix.py checks that acceptance.
 EXPECT = {"draft=target": "accepted", "random draft": "proposed", "ngram": "proposed", "layer_skip": "accepted",
-          "suffix": "proposed"}
+          "suffix": "proposed", "suffix tree": "proposed", "draft=target tree": "accepted",
+          "random draft tree": "proposed"}
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -68,6 +74,8 @@ def test_greedy_equality(name, k, adaptive, tiny_qwen, random_draft, plain, draf
     metrics = llm.spec_metrics
     if name == "draft=target":
         assert metrics.acceptance_rate == 1.0 and metrics.mean_acceptance_length > 1
+    if name == "draft=target tree":  # every drafted chain token kept, no leaf beside it
+        assert metrics.num_accepted_tokens * 2 == metrics.num_draft_tokens
     if name == "random draft":
         assert metrics.acceptance_rate < 0.3
 

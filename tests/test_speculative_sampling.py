@@ -175,11 +175,13 @@ def failed_positions(llm: LLM, prompt: str, num_requests: int = REQUESTS_PER_SET
     return failures
 
 
-@pytest.mark.parametrize("draft_probability", [1.0, 0.5])
-def test_draft_model_sampling_follows_the_target(tiny_qwen, close_draft, draft_probability):
+@pytest.mark.parametrize("draft_probability, branches", [(1.0, 1), (0.5, 1), (1.0, 3), (0.5, 2)])
+def test_draft_model_sampling_follows_the_target(tiny_qwen, close_draft, draft_probability, branches):
+    """branches > 1: token trees, siblings drawn without replacement (randomized drafting verifies
+    their first children as a chain)."""
     llm = LLM(str(tiny_qwen), max_model_len=64, max_num_seqs=16, progress=False,
               speculative={"method": "draft", "model": str(close_draft), "num_speculative_tokens": 3,
-                           "adaptive": False, "draft_probability": draft_probability})
+                           "adaptive": False, "draft_probability": draft_probability, "draft_branches": branches})
     assert not failed_positions(llm, "def")
     if draft_probability < 1:  # the coin came up tails too: plain steps that draw from the residual
         assert llm.spec_metrics.num_plain_steps > 0.2 * llm.spec_metrics.num_drafts

@@ -30,6 +30,22 @@ def test_the_most_frequent_continuation_of_the_longest_match_with_its_frequencie
     assert index.lookup([2], 5, **ANY).match_length == 1  # one token is a match too (a weak one)
 
 
+def test_a_tree_of_the_most_frequent_continuations_best_first():
+    index = SuffixIndex()
+    # after (1, 2), one document each: 3 4 5 three times, 3 9 twice, 6 7 once
+    for document, text in enumerate([[1, 2, 3, 4, 5]] * 3 + [[1, 2, 3, 9]] * 2 + [[1, 2, 6, 7]]):
+        index.extend(text, document)
+        index.separate()
+    found = index.lookup([8, 1, 2], 6, max_match=24, min_probability=0.1, max_branches=2)
+    # best first, by path probability: 3 (5/6), 4 and 5 under it (3/6), 9 under 3 (2/6), then 6 and 7 (1/6)
+    nodes = list(zip(found.token_ids, found.parents, found.probabilities))
+    assert nodes == [(3, -1, pytest.approx(5 / 6)), (4, 0, pytest.approx(3 / 6)), (5, 1, pytest.approx(3 / 6)),
+                     (9, 0, pytest.approx(2 / 6)), (6, -1, pytest.approx(1 / 6)), (7, 4, pytest.approx(1 / 6))]
+    assert all(parent < i for i, parent in enumerate(found.parents))
+    chain = index.lookup([8, 1, 2], 6, max_match=24, min_probability=0.1)
+    assert chain.token_ids == [3, 4, 5] and chain.parents == [-1, 0, 1]
+
+
 def test_an_old_long_match_is_found_behind_many_newer_short_ones():
     index = SuffixIndex()
     index.extend([10, 11, 12, 13, 14, 15, 16, 17], document=0)
@@ -87,7 +103,8 @@ def test_a_cached_token_costs_about_what_the_bound_assumes():
 
 @pytest.mark.parametrize("options, message", [
     ({"suffix_max_depth": 1}, "suffix_max_depth"), ({"suffix_min_probability": 1.5}, "suffix_min_probability"),
-    ({"suffix_max_spec_factor": 0}, "suffix_max_spec_factor"), ({"suffix_cache_mb": -1}, "suffix_cache_mb")])
+    ({"suffix_max_spec_factor": 0}, "suffix_max_spec_factor"), ({"suffix_cache_mb": -1}, "suffix_cache_mb"),
+    ({"suffix_max_branches": 0}, "suffix_max_branches")])
 def test_bad_options_are_refused_by_name(options, message):
     with pytest.raises(InvalidParameterError, match=message):
         SuffixOptions(**options)

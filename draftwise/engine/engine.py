@@ -27,9 +27,11 @@ from draftwise.errors import InvalidParameterError, KVCacheFullError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
 from draftwise.speculative.control.live_costs import LiveCostModel
+from draftwise.speculative.control.tree_shape import nodes_that_pay
 from draftwise.speculative.drafter import Drafter
 from draftwise.speculative.proposer import Draft
 from draftwise.speculative.verify import verify
+from draftwise.speculative.verify_tree import verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +101,9 @@ class Engine:
             drafter = self.drafters[method]
             drafter.proposer.on_verified([batch[b] for b in rows], [num_accepted[b] for b in rows])
             for b in rows:
-                if not skipped[b]:
-                    drafter.draft_length.observe(batch[b], len(drafts[b].token_ids), num_accepted[b])
+                if not skipped[b]:  # (a tree as the chain it was worth: its depth)
+                    depth = drafts[b].depth()
+                    drafter.draft_length.observe(batch[b], depth, min(num_accepted[b], depth))
 
     def _isolate(self, batch: list[Sequence], is_prefill: bool, error: Exception) -> None:
         """A step raised: undo it for every row, then run each row alone; a row that fails alone fails."""
@@ -167,7 +170,11 @@ class Engine:
             elapsed = time.perf_counter() - start
             self._draft_calls[method] = DraftCall(num_tokens, elapsed, lags)
             for b, draft in zip(rows, proposals):
-                drafts[b] = draft
+                if draft.scores is not None and drafter.costs is not None:  # a tree: the part that pays
+                    draft = draft.prefix(nodes_that_pay(draft.scores, drafter.costs.target_seconds,
+                                                        elapsed / len(rows)))
+                # Randomized drafting's relaxed test is for chains: such rows verify the tree's first children.
+                drafts[b] = draft.first_children() if self._draft_rate(batch[b]) < 1 else draft
                 batch[b].metrics.spec.draft_seconds += elapsed
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
@@ -178,25 +185,30 @@ class Engine:
     def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool]) -> list[int]:
         start = time.perf_counter()
         rows = [seq.row for seq in batch]
+        lengths = [self.runner.length(row) for row in rows]
         # Each row feeds what its cache lacks (the prompt, or the newest token) plus its draft
         # (not a skipped one: that row's plain step only needs the target at the first position).
-        new_tokens = [seq.token_ids[self.runner.length(seq.row):] + ([] if skip else d.token_ids)
-                      for seq, d, skip in zip(batch, drafts, skipped)]
+        pending = [seq.token_ids[length:] for seq, length in zip(batch, lengths)]
+        new_tokens = [ids + ([] if skip else d.token_ids) for ids, d, skip in zip(pending, drafts, skipped)]
         num_draft = [len(d.token_ids) for d in drafts]
-        result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)])
+        trees = [b for b, d in enumerate(drafts) if d.parents is not None and d.token_ids and not skipped[b]]
+        parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
+                   for b in range(len(batch))] if trees else None
+        result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
+                                     parents=parents)
         width = max(num_draft)
-        device = result.logits.device
         target_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
-                                       target_logits.shape[-1], device)
-        draft_rates = [self._draft_rate(seq) for seq in batch]  # [B] randomized drafting's a per row
-        randomized = min(draft_rates) < 1
-        verified = verify(draft_token_tensor(drafts, width, device), torch.tensor(num_draft, device=device),
-                          target_logits, stack_draft_probs(drafts, width), sampling,
-                          draft_rate=torch.tensor(draft_rates, device=device) if randomized else None,
-                          draft_skipped=torch.tensor(skipped, device=device) if randomized else None)
-        output_ids = verified.output_token_ids.tolist()  # the step's one host sync
-        num_accepted = verified.num_accepted.tolist()
+                                       target_logits.shape[-1], target_logits.device)
+        output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)
+        if trees:
+            verified = verify_tree([drafts[b].token_ids for b in trees], [drafts[b].parents for b in trees],
+                                   target_logits[trees], [drafts[b].probs for b in trees], sampling.select(trees))
+            for b, tokens, path in zip(trees, verified.output_token_ids, verified.accepted_nodes):
+                output_ids[b], num_accepted[b] = tokens, len(path)
+                # The kept path's keys and values go where a chain would have put them.
+                first = lengths[b] + len(pending[b])
+                self.runner.keep_path(batch[b].row, [first + i for i in path], first)
         elapsed = time.perf_counter() - start
         self._target_pass = (sum(map(len, new_tokens)), elapsed)
         for seq, tokens, accepted, drafted, skip in zip(batch, output_ids, num_accepted, num_draft, skipped):
@@ -208,6 +220,23 @@ class Engine:
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
+
+    def _verify_chains(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool],
+                       target_logits: torch.Tensor, sampling: SamplingBatch,
+                       trees: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Every row verified as a chain (tree rows' results are replaced by the caller): emitted
+        tokens per row (then -1s) and accepted counts."""
+        device = target_logits.device
+        chains = [Draft([]) if b in trees else d for b, d in enumerate(drafts)]
+        num_draft = [len(d.token_ids) for d in chains]
+        width = target_logits.shape[1] - 1
+        draft_rates = [self._draft_rate(seq) for seq in batch]  # [B] randomized drafting's a per row
+        randomized = min(draft_rates) < 1
+        verified = verify(draft_token_tensor(chains, width, device), torch.tensor(num_draft, device=device),
+                          target_logits, stack_draft_probs(chains, width), sampling,
+                          draft_rate=torch.tensor(draft_rates, device=device) if randomized else None,
+                          draft_skipped=torch.tensor(skipped, device=device) if randomized else None)
+        return verified.output_token_ids.tolist(), verified.num_accepted.tolist()  # the step's one host sync
 
     def _learn_timing(self, timing: StepTiming) -> None:
         """Count the step; note how well the adaptive drafters' live costs predicted it, then teach
@@ -258,6 +287,12 @@ def _rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:
         if seq.method is not None:
             groups.setdefault(seq.method, []).append(b)
     return groups
+
+
+def _fed_parents(num_pending: int, draft_parents: list[int]) -> list[int]:
+    """The parents of a row's fed tokens: its pending tokens as a chain, then the draft's tree
+    below the last of them."""
+    return list(range(-1, num_pending - 1)) + [num_pending - 1 if p < 0 else num_pending + p for p in draft_parents]
 
 
 def _coin(probability: float) -> bool:

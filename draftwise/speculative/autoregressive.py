@@ -13,7 +13,7 @@ from draftwise.speculative.sequence import SequenceState
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[SequenceState], num_tokens: list[int],
                            num_layers: int | None = None, confidence_threshold: float = 0.0,
-                           offsets: list[int] | None = None) -> list[Draft]:
+                           offsets: list[int] | None = None, branches: int = 1) -> list[Draft]:
     """Feed each row what its cache lacks of the sequence, then draft num_tokens[b] tokens
     (rows asked for none are left alone and get an empty draft). Row b's cache holds the
     sequence's tokens from offsets[b] on (default 0: from the start).
@@ -27,9 +27,17 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     `draftwise/speculative/verify.py` describes: it is verified by equality, so no probabilities are
     kept); an unseeded one keeps its draft probabilities for rejection sampling.
     The last drafted token is not fed back (the target's verification pass does that).
+
+    branches > 1: each drafted position also offers its next branches - 1 choices as leaves
+    beside the drafted token (greedy: the next most probable; seeded: the next in the noise race;
+    unseeded: drawn without replacement, each with its renormalised distribution), and the draft
+    is a token tree, best first, scored by the drafter's confidences (`_as_tree`); the engine
+    verifies the part of it that pays.
     """
     token_ids: list[list[int]] = [[] for _ in seqs]
     probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+    confidences: list[list[float]] = [[] for _ in seqs]  # [B][k] the drafter's probability of each token
+    leaves: list[list[list[tuple[int, float, torch.Tensor | None]]]] = [[] for _ in seqs]  # [B][k][branches - 1]
     offsets = offsets or [0] * len(seqs)
     pending = [seq.token_ids[offset + runner.length(row):] for seq, row, offset in zip(seqs, rows, offsets)]
     num_tokens = list(num_tokens)
@@ -42,29 +50,74 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
         params = [seqs[b].params for b in live]
         positions = [len(seqs[b].output_ids) + step for b in live]  # the output position each draft fills
         sampling = SamplingBatch.build(params, positions, result.logits.shape[-1], result.logits.device)
+        scored = confidence_threshold > 0 or branches > 1  # (else no row needs its confidences)
+        plain_probs = torch.softmax(result.logits, dim=-1) if scored or not sampling.all_greedy else None  # [n, V]
         if sampling.all_greedy:
             next_ids = result.logits.argmax(dim=-1)  # [n]
-            confidence = torch.softmax(result.logits, dim=-1).amax(dim=-1) if confidence_threshold else None
+            draft_probs = plain_probs
         else:
-            draft_probs = sampling_probs(result.logits, sampling)  # [n, V]
+            draft_probs = torch.where(sampling.greedy[:, None], plain_probs, sampling_probs(result.logits, sampling))
             sampled = sample_from_probs(draft_probs, sampling)
             next_ids = torch.where(sampling.greedy, result.logits.argmax(dim=-1), sampled)
             for i, b in enumerate(live):
                 if not params[i].greedy and params[i].seed is None:
                     probs[b].append(draft_probs[i])
-            confidence = None
-            if confidence_threshold:  # the probability of the token drafted (greedy rows: the top one)
-                greedy_confidence = torch.softmax(result.logits, dim=-1).amax(dim=-1)
-                drafted_probs = draft_probs.gather(-1, next_ids[:, None]).squeeze(-1)
-                confidence = torch.where(sampling.greedy, greedy_confidence, drafted_probs)
-        unsure = (confidence < confidence_threshold).tolist() if confidence is not None else [False] * len(live)
+        confidence = draft_probs.gather(-1, next_ids[:, None]).squeeze(-1).tolist() if scored else [1.0] * len(live)
         for i, b in enumerate(live):
             token = int(next_ids[i])
             token_ids[b].append(token)
+            confidences[b].append(confidence[i])
+            if branches > 1:
+                leaves[b].append(_other_choices(draft_probs[i], token, branches - 1, params[i], sampling, i))
             pending[b] = [token]
-            if unsure[i]:
+            if confidence[i] < confidence_threshold:
                 num_tokens[b] = step + 1  # confidence stop
+    if branches > 1:
+        return [_as_tree(ids, confidences[b], leaves[b], probs[b]) for b, ids in enumerate(token_ids)]
     return [Draft(ids, torch.stack(p) if p else None) for ids, p in zip(token_ids, probs)]
+
+
+def _other_choices(q: torch.Tensor, chosen: int, count: int, params, sampling: SamplingBatch,
+                   row: int) -> list[tuple[int, float, torch.Tensor | None]]:
+    """The next `count` choices after `chosen` at one position: (token, q(token), the distribution it
+    was drawn from, for unseeded rows)."""
+    remaining = q.clone()
+    remaining[chosen] = 0
+    out = []
+    for _ in range(count):
+        if float(remaining.sum()) <= 0:
+            break
+        if params.greedy:
+            token, source = int(remaining.argmax()), None
+        elif params.seed is not None:  # the next in the same race (the noise the target draws with)
+            token, source = int(sample_from_probs(remaining[None], sampling.select([row]))[0]), None
+        else:
+            source = remaining / remaining.sum()
+            token = int(torch.multinomial(source, 1))
+        out.append((token, float(q[token]), source))
+        remaining[token] = 0
+    return out
+
+
+def _as_tree(chain: list[int], confidences: list[float], leaves: list[list[tuple]],
+             probs: list[torch.Tensor]) -> Draft:
+    """The drafted chain with leaves beside each of its tokens, best first: a node's score is the
+    product of the confidences along its path (a leaf's own capped at its drafted sibling's, so that
+    siblings keep the order they were drawn in, which rejection sampling needs)."""
+    nodes = []  # (score, depth, order among siblings, token, parent chain index or -1, distribution, chain index)
+    path = 1.0
+    for i, token in enumerate(chain):
+        above = path
+        path *= confidences[i]
+        nodes.append((path, i, 0, token, i - 1, probs[i] if probs else None, i))
+        for j, (leaf, leaf_q, source) in enumerate(leaves[i], start=1):
+            nodes.append((above * min(leaf_q, confidences[i]), i, j, leaf, i - 1, source, None))
+    nodes.sort(key=lambda node: (-node[0], node[1], node[2]))
+    index_of_chain = {node[6]: n for n, node in enumerate(nodes) if node[6] is not None}
+    parents = [index_of_chain[node[4]] if node[4] >= 0 else -1 for node in nodes]
+    distributions = [node[5] for node in nodes]
+    stacked = torch.stack(distributions) if probs else None
+    return Draft([node[3] for node in nodes], stacked, parents, [node[0] for node in nodes])
 
 
 def check_confidence(threshold: float) -> None:

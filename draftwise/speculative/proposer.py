@@ -13,7 +13,42 @@ from draftwise.speculative.sequence import SequenceState
 @dataclass(slots=True)
 class Draft:
     token_ids: list[int]  # [k] proposed continuation (may be shorter than asked, or empty)
-    probs: torch.Tensor | None = None  # [k, V] the drafter's (warped) distribution per position; None: deterministic
+    probs: torch.Tensor | None = None  # [k, V] the distribution each token was drawn from; None: deterministic
+    # A token tree instead of a chain: parents[i] < i is the index of token i's parent, -1 for a
+    # child of the newest committed token (`speculative/verify_tree.py`). None: a chain.
+    parents: list[int] | None = None
+    # A tree's nodes come best first, each scored with its estimated probability of being accepted
+    # (never above its parent's); the engine verifies the prefix that pays (`control/tree_shape.py`).
+    scores: list[float] | None = None
+
+    def prefix(self, num_nodes: int) -> "Draft":
+        """The first num_nodes nodes (a tree still: parents come first)."""
+        return Draft(self.token_ids[:num_nodes], None if self.probs is None else self.probs[:num_nodes],
+                     None if self.parents is None else self.parents[:num_nodes],
+                     None if self.scores is None else self.scores[:num_nodes])
+
+    def depth(self) -> int:
+        """The longest root path's length (a chain: its length)."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
+
+    def first_children(self) -> "Draft":
+        """The chain a tree's first children make (root's first child, its first child, ...): a
+        draft in its own right, each token drawn from its row of `probs` as a chain's are (a
+        first sibling is drawn from the drafter's whole distribution). For what verifies chains only."""
+        if self.parents is None:
+            return self
+        chain, parent = [], -1
+        for i, p in enumerate(self.parents):
+            if p == parent:
+                chain.append(i)
+                parent = i
+        probs = None if self.probs is None else self.probs[chain]
+        return Draft([self.token_ids[i] for i in chain], probs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ run of LONG_KEY tokens, each occurrence extended backwards to the full match len
        token among the occurrences still agreeing with the continuation so far, with its empirical
        probability count / agreeing; the path's probability is the product, and the continuation
        stops where it falls below `min_probability` (the evidence stops) or no occurrence goes on.
+       As a tree, the next few most frequent tokens branch off too, best first (`_expand`).
 
 Prompt lookup is the special case of one occurrence and no frequencies. Appending a token costs one
 dictionary update; a lookup costs O(MAX_CANDIDATES x max_match) comparisons at most (about 0.1 ms),
@@ -27,9 +28,11 @@ documents that were dropped (`drop`), and `compact` rebuilds the corpus without 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from array import array
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LONG_KEY = 4  # tokens of the second index's key (stored as the hash of the run; a collision only
 # adds a candidate, whose match is counted token by token like any other)
@@ -44,6 +47,7 @@ class Continuation:
     match_length: int  # tokens of the context matched (0: nothing found)
     occurrences: int  # occurrences of the match the continuation was read from
     documents: frozenset = frozenset()  # the documents those occurrences lie in
+    parents: list[int] = field(default_factory=list)  # [k] each token's parent (-1: the context's end)
 
 
 class SuffixIndex:
@@ -83,18 +87,27 @@ class SuffixIndex:
         """Forget a document: lookups skip it from now on (`compact` reclaims its memory)."""
         self.dropped.add(document)
 
-    def lookup(self, context: list[int], max_tokens: int, max_match: int, min_probability: float) -> Continuation:
-        """The continuation of `context` read from the corpus (see the module's docstring). Where the
-        corpus ends with the context itself (a request's own index), its last occurrence has nothing
-        after it yet and is passed over."""
-        empty = Continuation([], [], 0, 0)
+    def lookup(self, context: list[int], max_tokens: int, max_match: int, min_probability: float,
+               max_branches: int = 1) -> Continuation:
+        """The continuation of `context` read from the corpus (see the module's docstring): a chain,
+        or with max_branches > 1 a tree. Where the corpus ends with the context itself (a request's
+        own index), its last occurrence has nothing after it yet and is passed over."""
         if not context or max_tokens <= 0:
-            return empty
+            return Continuation([], [], 0, 0)
+        best, matches = self._longest_matches(context, max_match)
+        if not matches:
+            return Continuation([], [], 0, 0)
+        token_ids, parents, probabilities = self._expand(matches, max_tokens, min_probability, max_branches)
+        documents = frozenset(self.owners[p - 1] for p in matches)
+        return Continuation(token_ids, probabilities, best, len(matches), documents, parents)
+
+    def _longest_matches(self, context: list[int], max_match: int) -> tuple[int, list[int]]:
+        """The longest match length, and the positions right after each of its occurrences."""
         candidates = self.long.get(hash(tuple(context[-LONG_KEY:]))) if len(context) >= LONG_KEY else None
         if candidates is None:
             candidates = self.short.get(context[-1])
         if candidates is None:
-            return empty
+            return 0, []
         if isinstance(candidates, int):
             candidates = [candidates]
         tokens, owners = self.tokens, self.owners
@@ -110,23 +123,40 @@ class SuffixIndex:
                 best, matches = m, [p]
             elif m == best and m:
                 matches.append(p)
-        if not matches:
-            return empty
-        continuation, probabilities, probability, alive = [], [], 1.0, matches
-        for depth in range(max_tokens):
+        return best, matches
+
+    def _expand(self, matches: list[int], max_tokens: int, min_probability: float,
+                max_branches: int) -> tuple[list[int], list[int], list[float]]:
+        """The continuation tree, best first (SuffixDecoding's greedy expansion): the node with the
+        highest path probability joins next, so that for its size the tree holds the most expected
+        accepted tokens (the sum of its nodes' path probabilities). A node's children are the
+        max_branches most frequent next tokens among the occurrences agreeing with its path, each
+        with probability parent x count / agreeing; nodes below min_probability never join.
+        max_branches = 1 gives the chain of the most frequent continuation."""
+        tokens = self.tokens
+        token_ids: list[int] = []
+        parents: list[int] = []
+        probabilities: list[float] = []
+        order = itertools.count()  # ties: the earlier candidate first (the more frequent sibling)
+        frontier: list = []  # heap of (-probability, order, parent, token, agreeing positions, depth)
+
+        def offer_children(parent: int, probability: float, alive: list[int], depth: int) -> None:
             following = [tokens[p + depth] for p in alive if p + depth < len(tokens)]
-            following = [token for token in following if token != SEPARATOR]
-            if not following:
-                break
-            token, count = Counter(following).most_common(1)[0]
-            probability *= count / len(alive)
-            if probability < min_probability:
-                break
-            continuation.append(token)
-            probabilities.append(probability)
-            alive = [p for p in alive if p + depth < len(tokens) and tokens[p + depth] == token]
-        documents = frozenset(owners[p - 1] for p in matches)
-        return Continuation(continuation, probabilities, best, len(matches), documents)
+            counts = Counter(token for token in following if token != SEPARATOR)
+            for token, count in counts.most_common(max_branches):
+                child = probability * count / len(alive)
+                if child >= min_probability:
+                    agreeing = [p for p in alive if p + depth < len(tokens) and tokens[p + depth] == token]
+                    heapq.heappush(frontier, (-child, next(order), parent, token, agreeing, depth + 1))
+
+        offer_children(-1, 1.0, matches, 0)
+        while frontier and len(token_ids) < max_tokens:
+            negative, _, parent, token, alive, depth = heapq.heappop(frontier)
+            token_ids.append(token)
+            parents.append(parent)
+            probabilities.append(-negative)
+            offer_children(len(token_ids) - 1, -negative, alive, depth)
+        return token_ids, parents, probabilities
 
     def compact(self) -> None:
         """Rebuild the corpus without dropped documents."""

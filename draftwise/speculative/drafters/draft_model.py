@@ -30,12 +30,14 @@ from draftwise.text.tokenizer import Tokenizer
 
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, confidence_threshold: float = 0.0,
-                 context_window: int | None = None) -> None:
+                 context_window: int | None = None, branches: int = 1) -> None:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
         self.context_window = context_window  # None: the whole context
+        self.branches = branches
         self._rows: dict[str, int] = {}  # request id -> draft cache row
         self._offsets: dict[str, int] = {}  # request id -> the first token the row holds
+        self._drafted: dict[str, tuple[int, list[int]]] = {}  # request id -> (committed tokens then, chain drafted)
 
     @property
     def catch_up_window(self) -> int | None:
@@ -58,17 +60,27 @@ class DraftModelProposer:
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         rows = [self._row(seq) for seq in seqs]
-        return draft_autoregressively(self.runner, rows, seqs, num_tokens,
-                                      offsets=[self._offsets[seq.request_id] for seq in seqs],
-                                      confidence_threshold=self.confidence_threshold)
+        drafts = draft_autoregressively(self.runner, rows, seqs, num_tokens,
+                                        offsets=[self._offsets[seq.request_id] for seq in seqs],
+                                        confidence_threshold=self.confidence_threshold, branches=self.branches)
+        for seq, draft in zip(seqs, drafts):  # the chain the cache was fed (a tree's leaves never are)
+            self._drafted[seq.request_id] = (len(seq.token_ids), _fed_chain(draft))
+        return drafts
 
     def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
-        # The cache holds the old tokens and the drafts fed back; the accepted ones stay, the
+        # The cache holds the old tokens and the drafted chain fed back; the drafted tokens the
+        # target committed stay (up to the first that differs: a tree may have taken a leaf), the
         # rest is rolled back (all committed tokens but the newest are then cached).
         for seq in seqs:
             row = self._rows.get(seq.request_id)
             if row is not None:
-                keep = len(seq.token_ids) - 1 - self._offsets[seq.request_id]
+                committed, chain = self._drafted.pop(seq.request_id, (len(seq.token_ids), []))
+                agree = 0
+                for drafted, kept in zip(chain, seq.token_ids[committed:]):
+                    if drafted != kept:
+                        break
+                    agree += 1
+                keep = min(len(seq.token_ids) - 1, committed + agree) - self._offsets[seq.request_id]
                 self.runner.truncate(row, max(0, min(self.runner.length(row), keep)))
 
     def lag(self, seq: SequenceState) -> int:
@@ -76,6 +88,7 @@ class DraftModelProposer:
         return backlog if self.context_window is None else min(backlog, self.context_window)
 
     def release(self, seq: SequenceState) -> None:
+        self._drafted.pop(seq.request_id, None)
         row = self._rows.pop(seq.request_id, None)
         self._offsets.pop(seq.request_id, None)
         if row is not None:
@@ -83,6 +96,14 @@ class DraftModelProposer:
 
     def footprint(self) -> Footprint:
         return Footprint(module_bytes(self.runner.model), ModelRunner.kv_bytes_per_token(self.runner.model))
+
+
+def _fed_chain(draft: Draft) -> list[int]:
+    """The drafted chain (what the draft model fed itself), in order: a tree's nodes whose chain
+    index is theirs (`autoregressive._as_tree` keeps the chain's nodes as first children)."""
+    if draft.parents is None:
+        return draft.token_ids
+    return draft.first_children().token_ids
 
 
 @dataclass(slots=True)
@@ -97,6 +118,9 @@ class DraftModelOptions:
                                               zero_is_none=True)
     draft_confidence_threshold: float = option(0.0, "stop drafting after a token drafted with less probability "
                                                "(0: never)", flag="--confidence")
+    draft_branches: int = option(1, "choices per drafted position: above 1 the draft is a token tree with the "
+                                    "next choices as leaves, verified as far as this machine's costs say it pays "
+                                    "(1: a chain)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -112,6 +136,9 @@ class DraftModelOptions:
             raise InvalidParameterError(
                 f"draft_context_window must be a positive integer or None, got {self.draft_context_window!r}")
         check_confidence(self.draft_confidence_threshold)
+        if not isinstance(self.draft_branches, int) or isinstance(self.draft_branches, bool) \
+                or not 1 <= self.draft_branches <= 4:
+            raise InvalidParameterError(f"draft_branches must be an integer in [1, 4], got {self.draft_branches!r}")
 
 
 def check_draft_model(options: DraftModelOptions, target_tokenizer: Tokenizer, target_name: str,
@@ -133,7 +160,8 @@ def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelP
     draft_runner = ModelRunner(draft_model, target.max_num_seqs, target.max_model_len,
                                num_blocks=runner.blocks.num_blocks + target.max_num_seqs,
                                block_size=runner.blocks.block_size, step_mode=runner.step_mode)
-    return DraftModelProposer(draft_runner, options.draft_confidence_threshold, options.draft_context_window)
+    return DraftModelProposer(draft_runner, options.draft_confidence_threshold, options.draft_context_window,
+                              options.draft_branches)
 
 
 register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up)", DraftModelOptions,

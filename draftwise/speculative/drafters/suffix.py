@@ -3,7 +3,8 @@
 Each request has a `SuffixIndex` over its own committed tokens (prompt and output); the drafter
 also keeps a `SuffixCache`, shared by every request it serves: the ends of earlier requests' prompts
 and their outputs, bounded in memory. A draft is the most frequent continuation of the longest
-matched suffix (`SuffixIndex.lookup`), from whichever of the two promises more tokens (the sum of
+matched suffix (`SuffixIndex.lookup`; with `suffix_max_branches` > 1 a tree of the most frequent
+continuations, best first, verified as one by `verify_tree`), from whichever of the two promises more tokens (the sum of
 its path probabilities, the expected accepted length; ties to the longer match), at most
 `suffix_max_spec_factor` x the match length, and it stops where the evidence does (a path
 probability below `suffix_min_probability`). The defaults are Arctic Inference's for suffix decoding
@@ -68,12 +69,12 @@ class SuffixCache:
         self._dropped_tokens[partition] = dropped
 
     def lookup(self, partition: object, context: list[int], max_tokens: int, max_match: int,
-               min_probability: float) -> Continuation:
+               min_probability: float, max_branches: int = 1) -> Continuation:
         with self._lock:
             index = self.partitions.get(partition)
             if index is None:
                 return Continuation([], [], 0, 0)
-            found = index.lookup(context, max_tokens, max_match, min_probability)
+            found = index.lookup(context, max_tokens, max_match, min_probability, max_branches)
             for document in found.documents:
                 if (partition, document) in self.entries:
                     self.entries.move_to_end((partition, document))  # recently useful: kept longer
@@ -90,20 +91,27 @@ class SuffixProposer:
         self.cache = SuffixCache(cache_bytes) if cache_bytes > 0 else None
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
-        return [Draft(self._continuation(seq, k).token_ids if k > 0 else []) for seq, k in zip(seqs, num_tokens)]
+        drafts = []
+        for seq, k in zip(seqs, num_tokens):
+            found = self._continuation(seq, k) if k > 0 else Continuation([], [], 0, 0)
+            branched = any(parent != i - 1 for i, parent in enumerate(found.parents))
+            drafts.append(Draft(found.token_ids, parents=found.parents, scores=found.probabilities) if branched
+                          else Draft(found.token_ids))
+        return drafts
 
     def _continuation(self, seq: SequenceState, k: int) -> Continuation:
         options = self.options
         context = seq.token_ids
         own = self._own_index(seq, context)
-        found = own.lookup(context, k, options.suffix_max_depth, options.suffix_min_probability)
+        found = own.lookup(context, k, options.suffix_max_depth, options.suffix_min_probability,
+                           options.suffix_max_branches)
         if self.cache is not None:
             shared = self.cache.lookup(getattr(seq, "tenant", None), context, k, options.suffix_max_depth,
-                                       options.suffix_min_probability)
+                                       options.suffix_min_probability, options.suffix_max_branches)
             if _promise(shared) > _promise(found):
                 found = shared
-        limit = max(1, int(options.suffix_max_spec_factor * found.match_length))
-        found.token_ids = found.token_ids[:limit]
+        limit = max(1, int(options.suffix_max_spec_factor * found.match_length))  # best first: parents stay
+        found.token_ids, found.parents = found.token_ids[:limit], found.parents[:limit]
         return found
 
     def _own_index(self, seq: SequenceState, context: list[int]) -> SuffixIndex:
@@ -142,11 +150,17 @@ class SuffixOptions:
     suffix_max_spec_factor: float = option(1.0, "a draft is at most this many times the matched length")
     suffix_min_probability: float = option(0.1, "a draft stops where its path's frequency falls below this")
     suffix_cache_mb: float = option(64.0, "memory for earlier requests' text, shared by all requests (0: off)")
+    suffix_max_branches: int = option(1, "children per draft node: above 1 a draft is a token tree of the most "
+                                         "frequent continuations, best first (1: a chain)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.suffix_max_depth, int) or isinstance(self.suffix_max_depth, bool) \
                 or self.suffix_max_depth < 2:
             raise InvalidParameterError(f"suffix_max_depth must be an integer >= 2, got {self.suffix_max_depth!r}")
+        if not isinstance(self.suffix_max_branches, int) or isinstance(self.suffix_max_branches, bool) \
+                or not 1 <= self.suffix_max_branches <= 8:
+            raise InvalidParameterError(f"suffix_max_branches must be an integer in [1, 8], got "
+                                        f"{self.suffix_max_branches!r}")
         for name, low, high in (("suffix_max_spec_factor", 0.0, float("inf")), ("suffix_min_probability", 0.0, 1.0),
                                 ("suffix_cache_mb", 0.0, float("inf"))):
             value = getattr(self, name)
