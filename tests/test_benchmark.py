@@ -111,7 +111,11 @@ def test_config_syntax():
                                                                  "adaptive": True, "model": "m"}
     assert parse_config("layer_skip:k<=4", {"layer_skip": {"num_layers": 3}, "draft": {"model": "m"}}) == {
         "method": "layer_skip", "num_speculative_tokens": 4, "adaptive": True, "num_layers": 3}
-    for bad in ("medusa", "ngram:k=", "draft:k=0", "ngram:4"):
+    # a drafter's options in the config, after the run's: two configs of one drafter side by side
+    assert parse_config("draft:k<=6:draft_branches=2", {"draft": {"model": "m", "draft_branches": 1}}) == {
+        "method": "draft", "num_speculative_tokens": 6, "adaptive": True, "model": "m", "draft_branches": 2}
+    assert parse_config("suffix:suffix_min_probability=0.2")["suffix_min_probability"] == 0.2
+    for bad in ("medusa", "ngram:k=", "draft:k=0", "ngram:4", "draft:draft_branches", "draft:=2"):
         with pytest.raises(InvalidParameterError, match="config|k must"):
             parse_config(bad)
 
@@ -250,6 +254,8 @@ def test_plain_and_quantization_suites_measure_formats(settings, monkeypatch, tm
     assert list(plain.data["summary"]) == ["none", "int8:pytorch", "none (control)"]
     assert re.search(r"\| int8:pytorch \| [0-9.]+ \| [0-9.]+ \| [0-9.]+x \|", plain.markdown)
     assert re.search(r"\| none \| [0-9.]+ \| 1\.00 \| [0-9.]+ \|", plain.markdown)  # forward over n=1 is 1.00
+    assert "as a token tree" in plain.markdown and set(plain.data["measures"]["none"][1]["tree_seconds"]) == {
+        1, 2, 4, 8, 16}
     assert control_ratio(plain.markdown) > 0
     quality = run_suite("quantization", replace(settings, formats=("none", "int8:pytorch"), per_category=1,
                                                 eval_tokens=48))

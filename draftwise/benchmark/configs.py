@@ -2,7 +2,8 @@
 prompts and probes on it.
 
 A config is written `plain`, `METHOD` (adaptive, k <= 8), `METHOD:k=K` (fixed k) or `METHOD:k<=K`
-(adaptive, k <= K); METHOD is a registered drafter (`draftwise.speculative.registry`), and the
+(adaptive, k <= K), then any `:OPTION=VALUE` of the drafter's (`draft:draft_branches=2`: two
+configs of one drafter in one run); METHOD is a registered drafter (`draftwise.speculative.registry`), and the
 drafters run by default are those registered with `benchmark_by_default`. Each config gets its own
 LLM (its own drafter, cost model and controller memory) and a warm-up request (4 tokens: builds the
 drafter's state); then every prompt runs once, batch 1, with the run's sampling parameters and seed.
@@ -24,7 +25,7 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.registry import all_specs, names
 
 PLAIN = "plain"
-CONFIG_PATTERN = re.compile(r"^(\w+)(?::k(=|<=)(\d+))?$")
+CONFIG_PATTERN = re.compile(r"^(\w+)(?::k(=|<=)(\d+))?((?::\w+=[^:=]+)*)$")
 DEFAULT_ADAPTIVE_K = 8
 NATIVE_KERNELS_ENV = "DRAFTWISE_NATIVE_KERNELS"
 
@@ -46,8 +47,8 @@ def config_method(text: str) -> str:
     """The drafter a config names ('ngram:k=2' -> 'ngram'); unknown names and bad forms raise."""
     match = CONFIG_PATTERN.match(text)
     if not match or match.group(1) not in names():
-        raise InvalidParameterError(f"config must be plain, METHOD, METHOD:k=K or METHOD:k<=K "
-                                    f"(METHOD one of {', '.join(names())}), got {text!r}")
+        raise InvalidParameterError(f"config must be plain, METHOD, METHOD:k=K or METHOD:k<=K, then any "
+                                    f":OPTION=VALUE (METHOD one of {', '.join(names())}), got {text!r}")
     return match.group(1)
 
 
@@ -57,12 +58,25 @@ def parse_config(text: str, options: dict[str, dict] | None = None) -> dict | No
     if text == PLAIN:
         return None
     method = config_method(text)
-    _, relation, k = CONFIG_PATTERN.match(text).groups()
+    _, relation, k, extra = CONFIG_PATTERN.match(text).groups()
     spec: dict = {"method": method, "num_speculative_tokens": int(k) if k else DEFAULT_ADAPTIVE_K,
                   "adaptive": relation != "=", **(options or {}).get(method, {})}
+    for pair in filter(None, extra.split(":")):
+        name, value = pair.split("=", 1)
+        spec[name] = _option_value(value)
     if spec["num_speculative_tokens"] < 1:
         raise InvalidParameterError(f"k must be at least 1 in {text!r}")
     return spec
+
+
+def _option_value(text: str) -> int | float | bool | str:
+    """A config's option value as the drafter's options take it: a number, true/false, or text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def is_adaptive(text: str) -> bool:

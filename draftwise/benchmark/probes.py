@@ -29,31 +29,38 @@ class ClosedLoop:
 @dataclass(frozen=True, slots=True)
 class ForwardCost:
     """Median seconds of one forward pass over n new tokens appended to a `context`-token row (warm
-    cache, rolled back after each pass): what verifying k drafted tokens costs, n = k + 1."""
+    cache, rolled back after each pass): what verifying k drafted tokens costs, n = k + 1. With
+    `trees`, the same n tokens as a token tree too (a binary tree below the first, attended through
+    the tree's paths), each tree pass right after its chain pass: what a tree of that size costs."""
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     context: int = 256
     repeats: int = 5
+    trees: bool = False
 
     def measure(self, config) -> dict:
         runner = config.llm.runner
         vocab = config.llm.model.config.vocab_size
         row = runner.allocate()
+        shapes = {"seconds": None, "tree_seconds": [-1]} if self.trees else {"seconds": None}
         try:
             runner.forward([row], [[(100 + i) % vocab for i in range(self.context)]], [1])
-            seconds = {}
+            measured: dict[str, dict[int, float]] = {name: {} for name in shapes}
             for n in self.sizes:
-                samples = []
+                samples: dict[str, list[float]] = {name: [] for name in shapes}
                 for attempt in range(self.repeats + 1):
-                    started = time.perf_counter()
-                    runner.forward([row], [[7] * n], [n])
-                    elapsed = time.perf_counter() - started
-                    runner.truncate(row, self.context)
-                    if attempt:  # the first is a warm-up
-                        samples.append(elapsed)
-                seconds[n] = statistics.median(samples)
+                    for name, tree in shapes.items():
+                        parents = None if tree is None else [[-1] + [(s - 1) // 2 for s in range(1, n)]]
+                        started = time.perf_counter()
+                        runner.forward([row], [[7 + s % 3 for s in range(n)]], [n], parents=parents)
+                        elapsed = time.perf_counter() - started
+                        runner.truncate(row, self.context)
+                        if attempt:  # the first is a warm-up
+                            samples[name].append(elapsed)
+                for name in shapes:
+                    measured[name][n] = statistics.median(samples[name])
         finally:
             runner.free(row)
-        return {"seconds": seconds}
+        return measured
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,15 @@ def cost_table(results: list[ConfigResult], probe_index: int) -> str:
     return table(["format", "n=1 ms", *(f"n={n}" for n in sizes)], rows)
 
 
+def tree_cost_table(results: list[ConfigResult], probe_index: int) -> str:
+    """A pass over n tokens as a token tree relative to the same n as a chain (`ForwardCost(trees=True)`,
+    each tree pass right after its chain pass)."""
+    sizes = list(results[0].measures[probe_index]["seconds"])
+    rows = [[result.name, *(f"{m['tree_seconds'][n] / m['seconds'][n]:.3f}" for n in sizes)]
+            for result in results for m in [result.measures[probe_index]]]
+    return table(["format", *(f"n={n}" for n in sizes)], rows)
+
+
 def formats_data(results: list[ConfigResult], summary: dict) -> dict:
     return {"summary": summary, "measures": {r.name: r.measures for r in results},
             "requests": {r.name: [asdict(q) for q in r.requests] for r in results}}
