@@ -19,10 +19,15 @@ PARENTS = [-1, 0, 0, 0, 1, 1, 4, 2, 7]
 TOKENS = [5, 90, 91, 92, 140, 141, 200, 30, 31]
 
 
-@pytest.fixture(scope="module", params=["native", "native-int4", "static", "per_query"])
+@pytest.fixture(scope="module", params=["native", "native-int4", "static", "per_query",
+                                        pytest.param("cuda-graph", marks=pytest.mark.cuda)])
 def runner(request, tiny_qwen):
-    model = load_model(tiny_qwen, quantization="int4" if request.param == "native-int4" else "none")
-    runner = ModelRunner(model, 4, 128, step_mode="eager" if request.param == "static" else None)
+    if request.param == "cuda-graph" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = "cuda" if request.param == "cuda-graph" else "cpu"
+    model = load_model(tiny_qwen, device, quantization="int4" if request.param == "native-int4" else "none")
+    mode = {"static": "eager", "cuda-graph": "graph"}.get(request.param)
+    runner = ModelRunner(model, 4, 128, step_mode=mode)
     if request.param == "per_query":
         runner.cache.kernel = None
     return runner

@@ -172,7 +172,7 @@ class Engine:
             for b, draft in zip(rows, proposals):
                 if draft.scores is not None and drafter.costs is not None:  # a tree: the part that pays
                     draft = draft.prefix(nodes_that_pay(draft.scores, drafter.costs.target_seconds,
-                                                        elapsed / len(rows)))
+                                                        elapsed / len(rows), draft.kept_nodes))
                 # Randomized drafting's relaxed test is for chains: such rows verify the tree's first children.
                 drafts[b] = draft.first_children() if self._draft_rate(batch[b]) < 1 else draft
                 batch[b].metrics.spec.draft_seconds += elapsed

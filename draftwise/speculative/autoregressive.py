@@ -101,23 +101,34 @@ def _other_choices(q: torch.Tensor, chosen: int, count: int, params, sampling: S
 
 def _as_tree(chain: list[int], confidences: list[float], leaves: list[list[tuple]],
              probs: list[torch.Tensor]) -> Draft:
-    """The drafted chain with leaves beside each of its tokens, best first: a node's score is the
-    product of the confidences along its path (a leaf's own capped at its drafted sibling's, so that
-    siblings keep the order they were drawn in, which rejection sampling needs)."""
-    nodes = []  # (score, depth, order among siblings, token, parent chain index or -1, distribution, chain index)
-    path = 1.0
+    """The drafted chain, then the leaves beside its tokens, best first. Scores are products of the
+    confidences along a node's path; a leaf's own is capped at its earlier siblings' (the drafted
+    token's, then the leaf drawn before it), so that siblings keep the order they were drawn in,
+    which rejection sampling needs, in every prefix of the list. The chain is kept whole
+    (`kept_nodes`): its length is the controller's choice, from the acceptance it has seen; the
+    engine adds the leaves that pay."""
+    tokens, parents, scores, distributions = [], [], [], []
+    above = [1.0]  # [k + 1] the chain's path scores (above[i]: above chain token i)
     for i, token in enumerate(chain):
-        above = path
-        path *= confidences[i]
-        nodes.append((path, i, 0, token, i - 1, probs[i] if probs else None, i))
-        for j, (leaf, leaf_q, source) in enumerate(leaves[i], start=1):
-            nodes.append((above * min(leaf_q, confidences[i]), i, j, leaf, i - 1, source, None))
-    nodes.sort(key=lambda node: (-node[0], node[1], node[2]))
-    index_of_chain = {node[6]: n for n, node in enumerate(nodes) if node[6] is not None}
-    parents = [index_of_chain[node[4]] if node[4] >= 0 else -1 for node in nodes]
-    distributions = [node[5] for node in nodes]
+        above.append(above[-1] * confidences[i])
+        tokens.append(token)
+        parents.append(i - 1)
+        scores.append(above[-1])
+        distributions.append(probs[i] if probs else None)
+    extra = []  # (score, depth, order among siblings, token, parent, distribution)
+    for i, choices in enumerate(leaves):
+        cap = confidences[i]
+        for j, (leaf, leaf_q, source) in enumerate(choices, start=1):
+            cap = min(cap, leaf_q)
+            extra.append((above[i] * cap, i, j, leaf, i - 1, source))
+    extra.sort(key=lambda node: (-node[0], node[1], node[2]))
+    for score, _, _, token, parent, source in extra:
+        tokens.append(token)
+        parents.append(parent)
+        scores.append(score)
+        distributions.append(source)
     stacked = torch.stack(distributions) if probs else None
-    return Draft([node[3] for node in nodes], stacked, parents, [node[0] for node in nodes])
+    return Draft(tokens, stacked, parents, scores, kept_nodes=len(chain))
 
 
 def check_confidence(threshold: float) -> None:

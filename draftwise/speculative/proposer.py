@@ -17,15 +17,17 @@ class Draft:
     # A token tree instead of a chain: parents[i] < i is the index of token i's parent, -1 for a
     # child of the newest committed token (`speculative/verify_tree.py`). None: a chain.
     parents: list[int] | None = None
-    # A tree's nodes come best first, each scored with its estimated probability of being accepted
-    # (never above its parent's); the engine verifies the prefix that pays (`control/tree_shape.py`).
+    # A tree's nodes, each scored with its estimated probability of being accepted (never above its
+    # parent's): the first kept_nodes always verified, the rest best first, of which the engine
+    # verifies the prefix that pays (`control/tree_shape.py`).
     scores: list[float] | None = None
+    kept_nodes: int = 0
 
     def prefix(self, num_nodes: int) -> "Draft":
         """The first num_nodes nodes (a tree still: parents come first)."""
         return Draft(self.token_ids[:num_nodes], None if self.probs is None else self.probs[:num_nodes],
                      None if self.parents is None else self.parents[:num_nodes],
-                     None if self.scores is None else self.scores[:num_nodes])
+                     None if self.scores is None else self.scores[:num_nodes], min(self.kept_nodes, num_nodes))
 
     def depth(self) -> int:
         """The longest root path's length (a chain: its length)."""
