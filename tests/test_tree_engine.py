@@ -92,6 +92,7 @@ def test_trees_beside_chains_and_plain_rows_equal_plain_decoding(llm, params):
     # Every tree is accepted to its full depth: half its nodes (the right ones), each step.
     assert total.num_accepted_tokens * 2 == total.num_draft_tokens
     assert max(oracle.tree_depths) == 4
+    assert total.acceptance_rate_per_position == [1.0] * len(total.drafted_per_position)  # by depth
 
 
 def test_a_stop_token_or_max_tokens_inside_an_accepted_path(llm):

@@ -211,12 +211,13 @@ class Engine:
                 self.runner.keep_path(batch[b].row, [first + i for i in path], first)
         elapsed = time.perf_counter() - start
         self._target_pass = (sum(map(len, new_tokens)), elapsed)
-        for seq, tokens, accepted, drafted, skip in zip(batch, output_ids, num_accepted, num_draft, skipped):
+        for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
+                                                               drafts):
             seq.append(tokens[:accepted + 1])
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
             if not skip:
-                seq.metrics.spec.record(drafted, accepted)
+                seq.metrics.spec.record(drafted, accepted, draft.depth())
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted

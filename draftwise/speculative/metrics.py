@@ -13,18 +13,21 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: drafts that had a token i
+    # (a token tree: positions are depths; its nodes all count as draft tokens)
     draft_seconds: float = 0.0  # time in the drafter (for batched steps: the step's time)
     verify_seconds: float = 0.0  # time in the target's verification pass and the sampler
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record(self, num_draft_tokens: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verification of num_draft_tokens drafted tokens (a tree: nodes, `depth` deep)."""
         if num_draft_tokens == 0:
             return
+        depth = num_draft_tokens if depth is None else depth
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        _grow(self.drafted_per_position, num_draft_tokens)
-        _grow(self.accepted_per_position, num_draft_tokens)
-        for i in range(num_draft_tokens):
+        _grow(self.drafted_per_position, depth)
+        _grow(self.accepted_per_position, depth)
+        for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
 
