@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 
+from draftwise.cache import token_tree
 from draftwise.speculative.sequence import SequenceState
 
 
@@ -33,10 +34,7 @@ class Draft:
         """The longest root path's length (a chain: its length)."""
         if self.parents is None:
             return len(self.token_ids)
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=0)
+        return max(token_tree.depths(self.parents), default=-1) + 1
 
     def first_children(self) -> "Draft":
         """The chain a tree's first children make (root's first child, its first child, ...): a

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.cache import token_tree
 from draftwise.sampling.sampler import SamplingBatch, sample, sample_from_probs, sampling_probs
 from draftwise.speculative.verify import residual_probs
 
@@ -58,10 +59,7 @@ def children_of(parents: list[int]) -> list[list[int]]:
 
 def node_depths(parents: list[int]) -> list[int]:
     """[k + 1] how many tokens past the root each logit index predicts beyond the first (root: 0)."""
-    out = [0]
-    for parent in parents:
-        out.append(out[parent + 1] + 1)
-    return out
+    return [0] + [depth + 1 for depth in token_tree.depths(parents)]
 
 
 def verify_tree(
