@@ -79,7 +79,9 @@ def first_difference(llm, prompt, expected, got) -> str:
     {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, "adaptive": False},
     {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
     {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 2, "adaptive": False},
-], ids=["draft", "ngram", "layer_skip"])
+    {"method": "draft", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3, "adaptive": False,
+     "draft_branches": 2},
+], ids=["draft", "ngram", "layer_skip", "draft tree"])
 def test_real_speculative_greedy_equals_plain(request, weights, spec):
     """fp32: equal unless a near-tie flips (the gap is reported); int4 (the default): bit-identical passes."""
     target = request.getfixturevalue("target" if weights == "fp32" else "quantized_target")
