@@ -11,7 +11,7 @@ import pytest
 from draftwise import LLM, SamplingParams
 from draftwise.speculative.control.policy import FixedLength
 from draftwise.speculative.drafter import Drafter
-from draftwise.speculative.proposer import Draft
+from draftwise.speculative.proposer import CachelessProposer, Draft
 from tests.drafting import assert_drafted
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(", "héllo wörld", "x"]
@@ -19,13 +19,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=11, max_tokens=20)
 
 
-class OracleTree:
+class OracleTree(CachelessProposer):
     """Knows each request's plain output. Tree rows (even prompt length) get, at every level, a
     wrong token first and then the right one, the next level below the right one: parents
     [-1, -1, 1, 1, 3, 3, ...]. Chain rows (odd) get the right continuation as a chain, every other
     row in a batch a chain, so trees, chains and plain rows (a k of 0) share batches."""
-
-    catch_up_window = None
 
     def __init__(self, reference: dict, vocab_size: int) -> None:
         self.reference, self.vocab_size = reference, vocab_size
@@ -47,15 +45,6 @@ class OracleTree:
                 self.tree_depths.append(len(tokens) // 2)
             drafts.append(Draft(tokens, parents=parents if tokens else None))
         return drafts
-
-    def on_verified(self, seqs, num_accepted):
-        pass
-
-    def release(self, seq):
-        pass
-
-    def lag(self, seq):
-        return 0
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ class KVCacheView:
             for row_paths in host_paths]
         blocks = cache.blocks
         device = cache.keys.device
-        write_slots = [blocks.slot(handle, stored_position(host_positions[b], host_paths, b, s))
+        write_slots = [blocks.slot(handle, _stored_position(host_positions[b], host_paths, b, s))
                        if host_valid is None or host_valid[b][s] else cache.scratch_slot
                        for b, handle in enumerate(handles) for s in range(len(host_positions[b]))]
         self._write_slots = torch.tensor(write_slots, device=device)  # [B*S]
@@ -133,7 +133,7 @@ class KVCacheView:
                 self.cache.values[layer][self._read_slots].transpose(1, 2))
 
 
-def stored_position(row_positions: list[int], host_paths: list[list[list[int]] | None] | None, b: int,
+def _stored_position(row_positions: list[int], host_paths: list[list[list[int]] | None] | None, b: int,
                     s: int) -> int:
     """Where token s of row b is stored: its position in a chain; one after another in a tree."""
     if host_paths is None or host_paths[b] is None:
