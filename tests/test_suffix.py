@@ -129,3 +129,18 @@ def test_a_request_seen_before_is_drafted_from_the_cache_and_every_draft_is_acce
               speculative={"method": "suffix", "num_speculative_tokens": 8, "suffix_cache_mb": 0})
     off.generate(prompt, params)
     assert off.generate(prompt, params)[0].metrics.spec.num_accepted_tokens < spec.num_accepted_tokens
+
+
+def test_a_tree_cut_to_the_spec_factor_keeps_one_score_per_node():
+    from types import SimpleNamespace
+
+    from draftwise.sampling.params import SamplingParams
+    from draftwise.speculative.drafters.suffix import SuffixProposer
+
+    proposer = SuffixProposer(SuffixOptions(suffix_max_depth=2, suffix_cache_mb=0, suffix_min_probability=0.0))
+    # (1, 2) followed by 3 4 once and 6 7 once: a tree of 4; the match is 2 long, so 2 nodes at most
+    text = [5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 6, 7, 5, 0, 1, 2]
+    seq = SimpleNamespace(request_id="r", token_ids=text, output_ids=[], params=SamplingParams(), tenant=None)
+    draft = proposer.propose([seq], [6])[0]
+    assert draft.parents is not None and len(draft.token_ids) == 2
+    assert len(draft.scores) == len(draft.parents) == len(draft.token_ids)

@@ -23,6 +23,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from draftwise.cache import token_tree
 from draftwise.errors import InvalidParameterError
 from draftwise.speculative.proposer import Draft, Footprint
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
@@ -95,7 +96,7 @@ class SuffixProposer:
         drafts = []
         for seq, k in zip(seqs, num_tokens):
             found = self._continuation(seq, k) if k > 0 else Continuation([], [], 0, 0)
-            branched = any(parent != i - 1 for i, parent in enumerate(found.parents))
+            branched = found.parents != token_tree.chain_parents(len(found.parents))
             drafts.append(Draft(found.token_ids, parents=found.parents, scores=found.probabilities) if branched
                           else Draft(found.token_ids))
         return drafts
@@ -113,6 +114,7 @@ class SuffixProposer:
                 found = shared
         limit = max(1, int(options.suffix_max_spec_factor * found.match_length))  # best first: parents stay
         found.token_ids, found.parents = found.token_ids[:limit], found.parents[:limit]
+        found.probabilities = found.probabilities[:limit]
         return found
 
     def _own_index(self, seq: SequenceState, context: list[int]) -> SuffixIndex:
