@@ -122,30 +122,37 @@ class StaticStep:
         tree (`draftwise.cache.token_tree`)."""
         num_rows, width, num_logits = bucket
         blocks, size = self.cache.blocks, self.cache.blocks.block_size
-        tokens, positions, slots, tables, picks, starts, paths = [], [], [], [], [], [], []
+        tokens, positions, slots, tables, picks, starts = [], [], [], [], [], []
+        tree_paths: dict[int, list[list[int]]] = {}  # row -> [S][S] its queries' paths (trees only)
         for b in range(num_rows):
             real = b < len(rows)
             ids = token_ids[b] if real else []
             start = lengths[b] if real else 0
             table = blocks.tables[rows[b]] if real else []
-            row_parents = parents[b] if real and parents is not None and parents[b] is not None \
-                else token_tree.chain_parents(len(ids))
-            depth = token_tree.depths(row_parents)
-            row_paths = token_tree.paths(row_parents, start)
             tokens.append(ids + [0] * (width - len(ids)))
-            positions.append([start + depth[s] if s < len(ids) else start for s in range(width)])
-            starts += [start] * width
-            for s in range(width):  # (padding reads the first new token's key: its output is dropped)
-                path = row_paths[s] if s < len(ids) else [start]
-                paths.append(path + [start] * (width - len(path)))
+            row_parents = parents[b] if real and parents is not None else None
+            if row_parents is None:
+                positions.append([start + s if s < len(ids) else start for s in range(width)])
+            else:
+                depth = token_tree.depths(row_parents)
+                positions.append([start + depth[s] if s < len(ids) else start for s in range(width)])
+                row_paths = token_tree.paths(row_parents, start) + [[start]] * (width - len(ids))  # (padding)
+                tree_paths[b] = [path + [start] * (width - len(path)) for path in row_paths]
+            starts.append(start)
             slots += [table[(start + s) // size] * size + (start + s) % size if s < len(ids)
                       else self.cache.scratch_slot for s in range(width)]
             tables.append(table[:self.width] + [0] * (self.width - len(table)))
             picks += [b * width + max(len(ids) - 1, 0)] if num_logits == 1 else [b * width + s for s in range(width)]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        path_start = as_tensor(starts).repeat_interleave(width)  # [R*S]
+        # A chain reads its keys in place: the path from the start on is the identity (entries past a
+        # query's position are never read).
+        path = path_start[:, None] + torch.arange(width, device=self.device)  # [R*S, S]
+        for b, row_paths in tree_paths.items():
+            path[b * width:(b + 1) * width] = as_tensor(row_paths)
         return StepTensors(as_tensor(tokens), as_tensor(positions), as_tensor(slots), as_tensor(tables),
                            torch.arange(num_rows, device=self.device).repeat_interleave(width), as_tensor(picks),
-                           as_tensor(starts), as_tensor(paths))
+                           path_start, path)
 
     def run(self, bucket: Bucket, inputs: StepTensors) -> torch.Tensor:
         """Logits [R'*L', V] of the bucket (valid until the next run of the same bucket in "graph" mode)."""

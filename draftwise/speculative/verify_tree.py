@@ -71,10 +71,11 @@ def verify_tree(
 ) -> TreeVerifyResult:
     batch, width_plus_one, vocab = target_logits.shape
     chosen = _target_tokens(target_logits, parents, sampling).tolist()  # [B][K+1] (the step's host sync)
+    greedy = sampling.greedy.tolist()
     outputs, paths = [], []
     for b in range(batch):
         children = children_of(parents[b])
-        if sampling.greedy[b] or sampling.seeds[b] is not None:
+        if greedy[b] or sampling.seeds[b] is not None:
             output, path = _walk_by_equality(draft_token_ids[b], children, chosen[b])
         else:
             row = sampling.select([b])

@@ -63,8 +63,9 @@ class DraftModelProposer:
         drafts = draft_autoregressively(self.runner, rows, seqs, num_tokens,
                                         offsets=[self._offsets[seq.request_id] for seq in seqs],
                                         confidence_threshold=self.confidence_threshold, branches=self.branches)
-        for seq, draft in zip(seqs, drafts):  # the chain the cache was fed (a tree's leaves never are)
-            self._drafted[seq.request_id] = (len(seq.token_ids), _fed_chain(draft))
+        # The chain the cache was fed: a tree's first children (`_as_tree` puts the chain first); never its leaves.
+        for seq, draft in zip(seqs, drafts):
+            self._drafted[seq.request_id] = (len(seq.token_ids), draft.first_children().token_ids)
         return drafts
 
     def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
@@ -96,14 +97,6 @@ class DraftModelProposer:
 
     def footprint(self) -> Footprint:
         return Footprint(module_bytes(self.runner.model), ModelRunner.kv_bytes_per_token(self.runner.model))
-
-
-def _fed_chain(draft: Draft) -> list[int]:
-    """The drafted chain (what the draft model fed itself), in order: a tree's nodes whose chain
-    index is theirs (`autoregressive._as_tree` keeps the chain's nodes as first children)."""
-    if draft.parents is None:
-        return draft.token_ids
-    return draft.first_children().token_ids
 
 
 @dataclass(slots=True)
