@@ -116,6 +116,9 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     assert set(plan.predictions) >= {"plain", "draft adaptive k<=3", "ngram k=3"}
     # the target drafting for itself: everything is accepted
     assert all(rate == 1.0 for rate in plan.drafters[0].acceptance["code"]["conditional"])
+    # and a draft made at any output position would have been accepted to the end of its request
+    for matches, request in zip(plan.drafters[0].matches, plan.sample_requests):
+        assert list(matches) == [-1] + [request["output_tokens"] - p - 1 for p in range(1, request["output_tokens"])]
     assert plan.memory["draft"]["weights_bytes"] > 0 and plan.memory["ngram"]["weights_bytes"] == 0
     assert plan.memory["draft"]["sequences_fit_with_drafter"] < plan.memory["draft"]["sequences_fit_plain"]
     assert set(plan.best) == {1, 2, 8} and plan.cost_per_day[1]["plain_per_day"] == 20.0

@@ -178,8 +178,8 @@ class Engine:
                 batch[b].metrics.spec.draft_seconds += elapsed
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
-            if seq.method is not None:
-                seq.metrics.spec.num_plain_steps += skip or not draft.token_ids
+            if seq.method is not None and (skip or not draft.token_ids):
+                seq.metrics.spec.record_plain()
         return drafts, skipped
 
     def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool]) -> list[int]:

@@ -2,8 +2,9 @@
 
 1. Sample the traffic (evenly across segments) and run it with plain decoding, one request at a
    time: prompt and output lengths, and the time it took.
-2. For each drafter, run the sample again at a fixed k to measure acceptance per segment
-   (`measure.py`), and load (or measure) the machine's cost model for target and drafter.
+2. For each drafter, run the sample again at a fixed k to measure acceptance per segment and,
+   per request, where its drafts were accepted (`measure.py`, replayed by the simulation:
+   `replay.py`), and load (or measure) the machine's cost model for target and drafter.
 3. Calibrate, per n and per drafter: the profile times bare forward passes over a 256-token
    context, once; the runs of steps 1 and 2 time every real pass. Each profile is the prior of
    live costs (`speculative.control.live_costs`) fed with those runs' steps, so a target pass over
@@ -56,7 +57,7 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass "
              f"(the passes themselves as timed while running)")
     plain_costs = live_plain.with_overhead(overhead)
-    drafters, costs_by_method, acceptance_by_method = [], {}, {}
+    drafters, costs_by_method, acceptance_by_method, replays = [], {}, {}, {}
     for method in options.drafters:
         progress(f"measuring {method} acceptance at k = {options.max_k}")
         config = SpeculativeConfig.from_value({**speculative_dict(method, options), "num_speculative_tokens": options.max_k})
@@ -67,17 +68,18 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
             live["costs"] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config))
             return live["costs"].observe_step
 
-        acceptance = measure_acceptance(llm, items, speculative_dict(method, options), options.max_k,
-                                        listen_to_drafter)
+        acceptance, replays[method] = measure_acceptance(llm, items, speculative_dict(method, options),
+                                                         options.max_k, listen_to_drafter)
         proposer = llm.engine.drafters[method].proposer
         costs_by_method[method] = live["costs"].with_overhead(overhead)
         acceptance_by_method[method] = acceptance
         footprint = proposer.footprint()
         drafters.append(DrafterFacts(method, {s: asdict(a) for s, a in acceptance.items()}, footprint.weights_bytes,
-                                     footprint.kv_bytes_per_token, proposer.catch_up_window))
+                                     footprint.kv_bytes_per_token, proposer.catch_up_window,
+                                     [list(m) for m in replays[method].matches]))
     progress("simulating")
     windows = {facts.method: facts.catch_up_window for facts in drafters}
-    predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options)
+    predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options, replays)
     best, switch_off = recommend(predictions, options.concurrency)
     plan = Plan(asdict(options), len(requests), segment_counts(requests), predictions, best, switch_off,
                 drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from draftwise.llm import LLM
+from draftwise.planner.replay import Replay, match_lengths
 from draftwise.planner.simulate import Acceptance, Request
 from draftwise.traffic import TrafficItem
 from draftwise.sampling.params import SamplingParams
@@ -35,20 +36,25 @@ def plain_requests(llm: LLM, items: list[TrafficItem]) -> tuple[list[Request], f
 
 
 def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int,
-                       listener_after_install: Callable[[], Callable] | None = None) -> dict[str, Acceptance]:
+                       listener_after_install: Callable[[], Callable] | None = None
+                       ) -> tuple[dict[str, Acceptance], Replay]:
     """Per segment: the drafter's conditional acceptance rates at a fixed k (and how often it
-    proposes). `listener_after_install`, called once the drafter is installed, returns a listener
-    for the runs' step timings."""
+    proposes); and per request, what its drafts would have had accepted at each output position
+    (`replay.py`). `listener_after_install`, called once the drafter is installed, returns a
+    listener for the runs' step timings."""
     llm.set_speculative({**speculative, "num_speculative_tokens": k, "adaptive": False}, progress=False)
     listener = listener_after_install() if listener_after_install is not None else None
     by_segment: dict[str, SpecMetrics] = {}
+    matches = []
     with llm.listening(listener):
         for item in items:
             output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens),
                                   segment=item.segment or None)[0]
-            if output.metrics.spec is not None:
-                by_segment.setdefault(item.segment, SpecMetrics()).merge(output.metrics.spec)
-    return {segment: acceptance_from(metrics) for segment, metrics in by_segment.items()}
+            spec = output.metrics.spec
+            if spec is not None:
+                by_segment.setdefault(item.segment, SpecMetrics()).merge(spec)
+            matches.append(match_lengths(spec.steps if spec is not None else [], len(output.token_ids)))
+    return {segment: acceptance_from(metrics) for segment, metrics in by_segment.items()}, Replay(tuple(matches))
 
 
 def acceptance_from(metrics: SpecMetrics) -> Acceptance:

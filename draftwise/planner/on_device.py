@@ -15,6 +15,7 @@ from pathlib import Path
 
 from draftwise.errors import InvalidParameterError
 from draftwise.planner.plan import PlanOptions, predict, recommend
+from draftwise.planner.replay import Replay
 from draftwise.planner.simulate import Acceptance, Request
 from draftwise.speculative.control.cost_model import CostModel
 
@@ -43,7 +44,7 @@ def predict_on_device(plan_path: Path, costs_folder: Path) -> DevicePrediction:
         raise InvalidParameterError(f"{costs_folder}: no plain.json cost model (written by `draftwise bench "
                                     f"--suite gpu`, under <output>/costs)")
     options = PlanOptions(**{**plan["options"], "concurrency": tuple(plan["options"]["concurrency"])})
-    costs, acceptance, windows, missing = {}, {}, {}, []
+    costs, acceptance, windows, replays, missing = {}, {}, {}, {}, []
     for facts in plan["drafters"]:
         method = facts["method"]
         measured = CostModel.read(costs_folder / f"{method}.json")
@@ -54,7 +55,9 @@ def predict_on_device(plan_path: Path, costs_folder: Path) -> DevicePrediction:
         acceptance[method] = {segment: Acceptance(tuple(a["conditional"]), a["propose_rate"])
                               for segment, a in facts["acceptance"].items()}
         windows[method] = facts["catch_up_window"]
-    predictions = predict(plain, costs, acceptance, windows, requests, options)
+        if facts.get("matches"):
+            replays[method] = Replay(tuple(tuple(m) for m in facts["matches"]))
+    predictions = predict(plain, costs, acceptance, windows, requests, options, replays)
     best, switch_off = recommend(predictions, options.concurrency)
     return DevicePrediction(str(costs_folder), options.concurrency, predictions, best, switch_off, missing)
 

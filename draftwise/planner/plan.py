@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from draftwise.planner.replay import Replay
 from draftwise.planner.simulate import Policy, Request, simulate
 from draftwise.speculative.registry import all_specs
 
@@ -40,6 +41,7 @@ class DrafterFacts:
     weights_bytes: int
     kv_bytes_per_token: int
     catch_up_window: int | None  # the most backlog a first draft absorbs (None: unbounded, or no cache)
+    matches: list[list[int]] = field(default_factory=list)  # per sampled request: `Replay.matches`
 
 
 @dataclass(slots=True)
@@ -65,8 +67,10 @@ def speculative_dict(method: str, options: PlanOptions) -> dict:
 
 
 def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, windows: dict[str, int | None],
-            requests: list[Request], options: PlanOptions) -> dict[str, list[dict]]:
-    """Every configuration at every concurrency, as JSON-ready dicts."""
+            requests: list[Request], options: PlanOptions,
+            replays: dict[str, Replay] | None = None) -> dict[str, list[dict]]:
+    """Every configuration at every concurrency, as JSON-ready dicts. A drafter with a replay of
+    the sampled requests' drafts is simulated with it, others with their per-segment rates."""
     table: dict[str, list[dict]] = {"plain": []}
     for c in options.concurrency:
         table["plain"].append(asdict(simulate(plain_costs, requests, {}, Policy(0), c, seed=options.seed)))
@@ -77,7 +81,8 @@ def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, wind
         for policy in policies:
             name = f"{method} {policy.name}"
             table[name] = [asdict(simulate(costs, requests, acceptance, policy, c, catch_up_window=window,
-                                           seed=options.seed)) for c in options.concurrency]
+                                           seed=options.seed, replay=(replays or {}).get(method)))
+                           for c in options.concurrency]
     return table
 
 

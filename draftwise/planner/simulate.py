@@ -20,7 +20,10 @@ none (prompt lookup without a match) is a plain row of the step, costing what a 
 in the engine (charging it k verified tokens made adaptive prompt lookup look 12-18% slower than
 it measured on held-out traffic). A row drafting k tokens commits L + 1 tokens, L the accepted
 prefix: with `expected=True` its expectation 1 + a_0 + a_0 a_1 + ... (fractional), otherwise a
-sample. With constant a_i = alpha, batch 1 and a verification costing one step, the speedup is
+sample. Where the requests' own drafts were measured (`replay.py`), they are replayed instead: a
+row drafting k tokens at output position p commits what a draft made there would have had
+accepted, which keeps the stretches in which a drafter is right or wrong together (i.i.d. draws
+lose them, and the controller rides them). With constant a_i = alpha, batch 1 and a verification costing one step, the speedup is
 Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)), c the draft/target cost ratio.
 
 Policy. `plain` (k = 0), a fixed k, or `adaptive`: the engine's own controller
@@ -42,6 +45,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from draftwise.planner.replay import Replay
 from draftwise.speculative.control.cost_model import CostModel
 from draftwise.speculative.control.policy import AdaptiveLength
 from draftwise.stats import percentile
@@ -127,8 +131,12 @@ class _Running:
     remaining: float
     client: int
     backlog: int  # tokens the drafter has not seen yet (1: only the newest, as after a draft)
-    request_id: str = ""
+    index: int = 0  # of the request in the simulated list
     params: _Params = field(default_factory=_Params)
+
+    @property
+    def request_id(self) -> str:
+        return str(self.index)
 
     @property
     def segment(self) -> str | None:
@@ -145,8 +153,10 @@ class _Running:
 
 def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Acceptance], policy: Policy,
              concurrency: int, *, max_num_seqs: int | None = None, expected: bool = False,
-             catch_up_window: int | None = None, seed: int = 0) -> Prediction:
-    """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures."""
+             catch_up_window: int | None = None, seed: int = 0, replay: Replay | None = None) -> Prediction:
+    """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures.
+    With `replay`, each request's drafts are accepted as they were where it was measured
+    (`replay.py`); requests it does not cover propose nothing."""
     rng = random.Random(seed)
     controller = AdaptiveLength(costs, policy.k) if policy.adaptive and policy.k else None
     slots = max_num_seqs or concurrency
@@ -174,7 +184,7 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
             ttfts.append(now - arrival)
             generated += 1
             row = _Running(request, arrival, request.output_tokens - 1, client, request.prompt_tokens + 1,
-                           request_id=str(len(ttfts)))
+                           index=len(ttfts) - 1)
             if row.remaining <= 0:
                 finish(row)
             else:
@@ -188,18 +198,26 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
             ks = [policy.k] * len(running)
         ks = [max(0, min(k, math.ceil(row.remaining) - 1)) for row, k in zip(running, ks)]  # as the engine
         rates = [acceptance.get(row.request.segment, NO_DRAFTS) for row in running]
-        drafts = [k if rate.proposes(k, rng) else 0 for rate, k in zip(rates, ks)]  # no draft: a plain row
+        if replay is None:
+            drafts = [k if rate.proposes(k, rng) else 0 for rate, k in zip(rates, ks)]  # no draft: a plain row
+            replayed = [None] * len(running)
+        else:
+            replayed = [replay.accepted(row.index, len(row.output_ids), k) if k else None
+                        for row, k in zip(running, ks)]
+            drafts = [k if accepted is not None else 0 for k, accepted in zip(ks, replayed)]
         now += costs.batch_step_seconds(drafts)
         now += sum(costs.catch_up_seconds(lag) for lag, k in zip(lags, ks) if k > 0)
         drafted += sum(drafts)
         rows_stepped += len(ks)
-        for row, rate, k in zip(list(running), rates, drafts):
-            if controller is not None:
-                accepted = rate.sample_accepted(k, rng) if k else 0
-                controller.observe(row, k, accepted)
-                tokens = accepted + 1
+        for row, rate, k, accepted in zip(list(running), rates, drafts, replayed):
+            if accepted is not None or not k:
+                tokens = (accepted or 0) + 1
+            elif expected and controller is None:
+                tokens = rate.expected_tokens(k)
             else:
-                tokens = rate.expected_tokens(k) if expected else rate.sample_accepted(k, rng) + 1
+                tokens = rate.sample_accepted(k, rng) + 1
+            if controller is not None:
+                controller.observe(row, k, tokens - 1)
             tokens = min(tokens, row.remaining)
             row.backlog = 1 if k > 0 else row.backlog + math.ceil(tokens)
             row.remaining -= tokens

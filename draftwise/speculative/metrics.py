@@ -16,12 +16,16 @@ class SpecMetrics:
     # (a token tree: positions are depths; its nodes all count as draft tokens)
     draft_seconds: float = 0.0  # time in the drafter (for batched steps: the step's time)
     verify_seconds: float = 0.0  # time in the target's verification pass and the sampler
+    # This request's decode steps in order, (drafted depth, accepted); (0, 0): a plain step. Per
+    # request only: `merge` leaves it out. The planner replays it (`planner/replay.py`).
+    steps: list[tuple[int, int]] = field(default_factory=list)
 
     def record(self, num_draft_tokens: int, num_accepted: int, depth: int | None = None) -> None:
         """One verification of num_draft_tokens drafted tokens (a tree: nodes, `depth` deep)."""
-        if num_draft_tokens == 0:
+        if num_draft_tokens == 0:  # a plain step: counted by `record_plain`
             return
         depth = num_draft_tokens if depth is None else depth
+        self.steps.append((depth, num_accepted))
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
@@ -30,6 +34,11 @@ class SpecMetrics:
         for i in range(depth):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
+
+    def record_plain(self) -> None:
+        """A decode step without a draft (k = 0 chosen, or the drafter found nothing)."""
+        self.num_plain_steps += 1
+        self.steps.append((0, 0))
 
     def merge(self, other: "SpecMetrics") -> None:
         self.num_drafts += other.num_drafts
