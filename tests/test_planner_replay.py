@@ -74,7 +74,6 @@ def test_a_copied_stretch_is_replayed_as_one():
     costs = CostModel({n: 0.05 * (1 + 0.1 * (n - 1)) for n in range(1, 16)}, {k: 0.0 for k in range(1, 9)})
     matches = tuple([NO_PROPOSAL] + [400 - p for p in range(1, 200)] + [NO_PROPOSAL] * 200)
     request = [Request(10, 400, "edit")]
-    plain = simulate(costs, request, {}, Policy(0), 1)
     fixed = simulate(costs, request, {}, Policy(6), 1, replay=Replay((matches,)))
     adaptive = simulate(costs, request, {}, Policy(6, adaptive=True), 1, replay=Replay((matches,)))
     # positions 1, 8, ..., 197 draft 6 and commit 7 each (29 steps of 1.6 steps' cost), 204..399 plain
