@@ -99,3 +99,19 @@ class BuildInfo:
         return {"load_seconds": config.load_seconds, "pid": os.getpid(),
                 "weights": llm.model.quantization.mode, "layers": llm.model.quantization.summary(),
                 "draft_seconds": {k: costs.draft_seconds(k) for k in self.draft_sizes} if costs else None}
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentMemory:
+    """The config's process: resident memory now, and the bytes of its weights (the target's
+    tensors, and what its drafters add: `Proposer.footprint`)."""
+
+    def measure(self, config) -> dict:
+        from draftwise.model.memory import module_bytes
+
+        llm = config.llm
+        drafters = sum(d.proposer.footprint().weights_bytes for d in llm.engine.drafters.values())
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return {"rss_bytes": resident_pages * os.sysconf("SC_PAGE_SIZE"),
+                "weights_bytes": module_bytes(llm.model) + drafters}

@@ -60,7 +60,8 @@ class RequestResult:
 @dataclass(slots=True)
 class ConfigResult:
     name: str
-    reference: str = "plain"  # whose outputs this config's must equal (a peer's: the peer's plain decoding)
+    reference: str | None = "plain"  # whose outputs this config's must equal (a peer's: the peer's plain
+    # decoding; None: not compared)
     requests: list[RequestResult] = field(default_factory=list)  # one per prompt item, in item order
     measures: list[dict] = field(default_factory=list)  # one per probe item, in item order
 

@@ -31,16 +31,17 @@ def speedup(tokens: int, seconds: float, base_tokens: int, base_seconds: float) 
 
 def summarize(results: list[ConfigResult], baseline: str = PLAIN, compare_outputs: bool = True) -> dict:
     """config -> category (and "all") -> figures; speedups over `baseline` (default plain decoding).
-    Outputs are compared with each config's `reference` (None when not compared: sampled runs)."""
+    Outputs are compared with each config's `reference` (not when `compare_outputs` is off, as in
+    sampled runs, nor for a config whose reference is None: a peer that returns no tokens)."""
     by_name = {r.name: r for r in results}
     base = by_name[baseline]
     categories = list(dict.fromkeys(r.category for r in base.requests)) + ["all"]
     summary: dict = {}
     for config in results:
-        reference = by_name.get(config.reference, base)
+        reference = by_name.get(config.reference, base) if config.reference is not None else None
         summary[config.name] = {
             category: _figures(_of(config.requests, category), _of(base.requests, category),
-                               _of(reference.requests, category) if compare_outputs else None)
+                               _of(reference.requests, category) if compare_outputs and reference else None)
             for category in categories}
     return summary
 

@@ -32,9 +32,10 @@ def add_parser(commands) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--all-turns", action="store_true", help="Spec-Bench: every turn, not just the first")
     bench.add_argument("--max-model-len", type=int, default=4096)
-    bench.add_argument("--peers", choices=["hf"], default=None,
-                       help="speculative: also run Hugging Face transformers on the same GGUF weights; "
-                            "gpu: its eager forward beside the step")
+    bench.add_argument("--peers", choices=["hf", "llama.cpp"], default=None,
+                       help="speculative: hf, Hugging Face transformers on the same GGUF weights; gpu: hf, its "
+                            "eager forward beside the step; kernels: llama.cpp, its llama-bench and "
+                            "llama-speculative-simple on the same GGUF files (built into the cache once)")
     bench.add_argument("--levels", default=None,
                        help="concurrency: requests in flight (default 1,2,4,8,16); server-load: clients (1,4,16)")
     bench.add_argument("--requests", type=int, default=16, help="concurrency, server-load: requests per level")
@@ -75,8 +76,10 @@ def run(args: argparse.Namespace) -> None:
         from draftwise.benchmark.configs import default_configs
 
         methods = default_configs()
-    if args.peers and args.suite not in ("speculative", "gpu"):
-        raise InvalidParameterError("--peers runs beside the speculative and gpu suites only")
+    suites_of_peer = {"hf": ("speculative", "gpu"), "llama.cpp": ("kernels",)}
+    if args.peers and args.suite not in suites_of_peer[args.peers]:
+        raise InvalidParameterError(f"--peers {args.peers} runs beside the "
+                                    f"{' and '.join(suites_of_peer[args.peers])} suite(s) only")
     for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens", "hostile"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")

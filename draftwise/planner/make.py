@@ -12,7 +12,8 @@
    a step costs beyond its timed pass (scheduling, detokenizing) is one constant per step: the
    plain run's real time minus its simulation, over its steps (printed). (It was one factor
    applied to everything, which made the dearer passes of speculation dearer still: held-out
-   traffic was predicted at 0.83-0.88x where the engine measured 0.99-1.15x.) Then simulate
+   traffic was predicted at 0.83-0.88x where the engine measured 0.99-1.15x.) Prefills cost what
+   a line fitted to the plain run's timed prefills says (`measure.PrefillCost`). Then simulate
    closed-loop serving at each concurrency (`simulate.py`): plain decoding, each drafter
    adaptive (k <= k_max) and every fixed k.
 4. Recommend, per concurrency, the fastest configuration; the concurrency from which speculation
@@ -49,13 +50,16 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")
     live_plain = LiveCostModel(llm.measure_costs(None, None))
-    with llm.listening(live_plain.observe_step):
-        requests, plain_seconds = plain_requests(llm, items)
-    simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True).seconds
+    requests, plain_seconds, prefill = plain_requests(llm, items, live_plain.observe_step)
+    prefill_seconds = prefill.seconds if prefill is not None else None
+    simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True, prefill_seconds=prefill_seconds).seconds
     calibration = plain_seconds / simulated
-    overhead = max(0.0, plain_seconds - simulated) / sum(r.output_tokens for r in requests)  # per step
-    progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass "
-             f"(the passes themselves as timed while running)")
+    overhead = max(0.0, plain_seconds - simulated) / sum(r.output_tokens - 1 for r in requests) if any(
+        r.output_tokens > 1 for r in requests) else 0.0  # per decoding step
+    progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass (the passes "
+             f"themselves as timed while running)" + (f"; a prefill {prefill.fixed * 1e3:.0f} ms + "
+                                                      f"{prefill.per_token * 1e3:.2f} ms a prompt token"
+                                                      if prefill else ""))
     plain_costs = live_plain.with_overhead(overhead)
     drafters, costs_by_method, acceptance_by_method, replays = [], {}, {}, {}
     for method in options.drafters:
@@ -79,11 +83,14 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
                                      [list(m) for m in replays[method].matches]))
     progress("simulating")
     windows = {facts.method: facts.catch_up_window for facts in drafters}
-    predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options, replays)
+    predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options, replays,
+                          prefill_seconds)
     best, switch_off = recommend(predictions, options.concurrency)
     plan = Plan(asdict(options), len(requests), segment_counts(requests), predictions, best, switch_off,
                 drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration,
-                sample_requests=[asdict(r) for r in requests], step_overhead_seconds=overhead)
+                sample_requests=[asdict(r) for r in requests], step_overhead_seconds=overhead,
+                prefill=asdict(prefill) if prefill else None,
+                costs={name: asdict(costs) for name, costs in {"plain": plain_costs, **costs_by_method}.items()})
     if options.validate:
         plan.validation = validate(llm, items, requests, plan, options, progress)
     return plan

@@ -1,5 +1,5 @@
-"""What the planner measures with the real engine: output lengths and acceptance per segment
-(validation runs `draftwise.llm.closed_loop`).
+"""What the planner measures with the real engine: output lengths, what prefills cost, and
+acceptance per segment (validation runs `draftwise.llm.closed_loop`).
 
 Acceptance is measured with a fixed k (every step drafts k tokens, so every position is seen) and
 turned into conditional rates: a_0 = accepted[0] / drafted[0], a_i = accepted[i] /
@@ -11,6 +11,7 @@ drafter rarely reaches keep the last well-measured rate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from draftwise.llm import LLM
 from draftwise.planner.replay import Replay, match_lengths
@@ -22,17 +23,52 @@ from draftwise.speculative.metrics import SpecMetrics
 MIN_OBSERVATIONS = 8  # a position seen fewer times keeps the previous position's rate
 
 
-def plain_requests(llm: LLM, items: list[TrafficItem]) -> tuple[list[Request], float]:
+def plain_requests(llm: LLM, items: list[TrafficItem],
+                   listener: Callable | None = None) -> tuple[list[Request], float, PrefillCost | None]:
     """Run the sample with plain greedy decoding, one request at a time: each request's lengths,
-    and the seconds the run took (the planner calibrates its cost model with them)."""
+    the seconds the run took and what its prefills cost (the planner calibrates its cost model with
+    them). `listener` hears the run's step timings (not the warm-up's)."""
     llm.set_speculative(None, progress=False)
     llm.generate(items[0].prompt, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
-    requests, seconds = [], 0.0
-    for item in items:
-        output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens))[0]
-        requests.append(Request(len(output.prompt_token_ids), max(1, len(output.token_ids)), item.segment))
-        seconds += output.metrics.seconds
-    return requests, seconds
+    requests, seconds, prefills = [], 0.0, []
+
+    def listen(timing) -> None:
+        if timing.is_prefill:
+            prefills.append((timing.num_tokens, timing.target_seconds))
+        if listener is not None:
+            listener(timing)
+
+    with llm.listening(listen):
+        for item in items:
+            output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens))[0]
+            requests.append(Request(len(output.prompt_token_ids), max(1, len(output.token_ids)), item.segment))
+            seconds += output.metrics.seconds
+    return requests, seconds, PrefillCost.fit(prefills)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """Seconds of a prefill over n prompt tokens: a line fitted (least squares) to the prefills timed
+    while the sample ran plain. The cost model's passes stop at 64 tokens, and prefills of hundreds
+    extrapolated from them fell short; the planner charged the difference to every decoding step
+    (37 ms a step on held-out traffic), which made speculation's fewer steps look cheaper than they are."""
+    fixed: float
+    per_token: float
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.fixed + self.per_token * num_tokens
+
+    @staticmethod
+    def fit(points: list[tuple[int, float]]) -> "PrefillCost | None":
+        """From (prompt tokens, seconds); None without two distinct lengths."""
+        if len({n for n, _ in points}) < 2:
+            return None
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        slope = (sum((n - mean_n) * (s - mean_s) for n, s in points) /
+                 sum((n - mean_n) ** 2 for n, _ in points))
+        slope = max(slope, 0.0)
+        return PrefillCost(max(0.0, mean_s - slope * mean_n), slope)
 
 
 def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int,

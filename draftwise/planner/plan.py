@@ -4,6 +4,7 @@ The steps that produce it are in `make.py`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from draftwise.planner.replay import Replay
@@ -59,6 +60,8 @@ class Plan:
     validation: list[dict] = field(default_factory=list)
     sample_requests: list[dict] = field(default_factory=list)  # the sampled requests' lengths (`Request`s)
     step_overhead_seconds: float = 0.0  # what a real step costs beyond its timed target pass
+    prefill: dict | None = None  # `measure.PrefillCost` fitted to the plain run's prefills
+    costs: dict[str, dict] = field(default_factory=dict)  # "plain" and each drafter -> the `CostModel` simulated
 
 
 def speculative_dict(method: str, options: PlanOptions) -> dict:
@@ -68,12 +71,15 @@ def speculative_dict(method: str, options: PlanOptions) -> dict:
 
 def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, windows: dict[str, int | None],
             requests: list[Request], options: PlanOptions,
-            replays: dict[str, Replay] | None = None) -> dict[str, list[dict]]:
+            replays: dict[str, Replay] | None = None,
+            prefill_seconds: Callable[[int], float] | None = None) -> dict[str, list[dict]]:
     """Every configuration at every concurrency, as JSON-ready dicts. A drafter with a replay of
-    the sampled requests' drafts is simulated with it, others with their per-segment rates."""
+    the sampled requests' drafts is simulated with it, others with their per-segment rates; prefills
+    cost `prefill_seconds(n)` where given (timed here), else the cost models' pass over n."""
     table: dict[str, list[dict]] = {"plain": []}
     for c in options.concurrency:
-        table["plain"].append(asdict(simulate(plain_costs, requests, {}, Policy(0), c, seed=options.seed)))
+        table["plain"].append(asdict(simulate(plain_costs, requests, {}, Policy(0), c, seed=options.seed,
+                                              prefill_seconds=prefill_seconds)))
     for method, costs in costs_by_method.items():
         acceptance = acceptance_by_method[method]
         window = windows.get(method)
@@ -81,7 +87,8 @@ def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, wind
         for policy in policies:
             name = f"{method} {policy.name}"
             table[name] = [asdict(simulate(costs, requests, acceptance, policy, c, catch_up_window=window,
-                                           seed=options.seed, replay=(replays or {}).get(method)))
+                                           seed=options.seed, replay=(replays or {}).get(method),
+                                           prefill_seconds=prefill_seconds))
                            for c in options.concurrency]
     return table
 

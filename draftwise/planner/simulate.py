@@ -9,7 +9,8 @@ benchmark and most load generators drive a server), drawing requests from the sa
 Engine. The continuous-batching loop of `engine/`: while a request waits and a slot is free, a
 prefill step admits it (its first token comes out of that step: time to first token), alternating
 with decode steps over every running request (as `engine/scheduler.py` does). A step's duration comes from the machine's
-`CostModel`: a prefill over n prompt tokens costs `target_seconds(n)`; a decode step whose row b
+`CostModel`: a prefill over n prompt tokens costs `target_seconds(n)` (or `prefill_seconds(n)`
+where prefills were timed: `measure.PrefillCost`); a decode step whose row b
 drafts k_b tokens costs `batch_step_seconds([k_b])` - one target pass over sum(k_b + 1) tokens plus
 the drafter's rounds, so verification grows with batch x (k + 1).
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draftwise.planner.replay import Replay
@@ -153,7 +155,8 @@ class _Running:
 
 def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Acceptance], policy: Policy,
              concurrency: int, *, max_num_seqs: int | None = None, expected: bool = False,
-             catch_up_window: int | None = None, seed: int = 0, replay: Replay | None = None) -> Prediction:
+             catch_up_window: int | None = None, seed: int = 0, replay: Replay | None = None,
+             prefill_seconds: Callable[[int], float] | None = None) -> Prediction:
     """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures.
     With `replay`, each request's drafts are accepted as they were where it was measured
     (`replay.py`); requests it does not cover propose nothing."""
@@ -180,7 +183,7 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
         if waiting and len(running) < slots and (not running or not last_was_prefill):
             last_was_prefill = True
             request, arrival, client = waiting.pop(0)
-            now += costs.target_seconds(max(1, request.prompt_tokens))
+            now += (prefill_seconds or costs.target_seconds)(max(1, request.prompt_tokens))
             ttfts.append(now - arrival)
             generated += 1
             row = _Running(request, arrival, request.output_tokens - 1, client, request.prompt_tokens + 1,

@@ -22,6 +22,7 @@ SUITES = {
     "quantization": ("quantization", "weight formats (fp32, int8, int4, kernel paths): speed and quality"),
     "drafting-options": ("drafting_options", "trimmed draft head, confidence stop, randomized drafting"),
     "abuse": ("abuse", "ordinary streams beside a burst of hostile requests: what was held and lost"),
+    "kernels": ("kernels", "plain, verification and speculation beside llama.cpp (--peers llama.cpp) on the same GGUF"),
     "gpu": ("gpu", "one device (--device cuda): step at 1-64 rows vs the bound, verify curve, self-drafting, costs"),
 }
 
