@@ -4,7 +4,7 @@ line; later runs reuse the binaries.
 
 Only two targets are built: `llama-bench` (plain decoding and forward passes over n tokens) and
 `llama-speculative-simple` (its draft-model speculation), Release, `GGML_NATIVE` (the instructions
-of this CPU, as a user building llama.cpp here gets), static, no CURL, no server, no tests.
+of this CPU, as a user building llama.cpp here gets), static, no network code, no server, no tests.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 TARGETS = ("llama-bench", "llama-speculative-simple")
 SDIST_INDEX = f"https://pypi.org/pypi/llama-cpp-python/{LLAMA_CPP_PYTHON}/json"
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF")
+                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF")
 
 
 class LlamaCppUnavailable(RuntimeError):
