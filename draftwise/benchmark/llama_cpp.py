@@ -6,8 +6,10 @@ on the same GGUF files with the same threads, run interleaved with draftwise lik
                     which cost what the prompt's would (a dense model computes alike for any id).
                     Seconds are llama-bench's, model loading and its warm-up excluded.
   llama.cpp draft   `llama-speculative-simple` with the draft model's GGUF on the prompt's text,
-                    greedy (`--temp 0`), llama.cpp's default draft settings; seconds are its
-                    encode + decode times (prefill and generation, as draftwise's include both).
+                    greedy (`--temp 0`), `--spec-type draft-simple` with llama.cpp's default draft
+                    settings (at most 3 tokens a draft in the pinned version); seconds are its encode
+                    + decode times (prefill and generation, as draftwise's include both). It may
+                    decode a few tokens past N (an accepted draft is kept whole): tokens/s counts them.
 
 Forward passes over n tokens (the `ForwardCost` probe): `llama-bench -p n -n 0 -d CONTEXT`, the
 median of its repetitions: a pass of n new tokens after a CONTEXT-token cache, like draftwise's.
@@ -82,9 +84,9 @@ class LlamaCppConfig:
 
     def _speculate(self, prompt: str) -> dict:
         output = self._call([str(self.binaries["llama-speculative-simple"]), "-m", str(self.target),
-                             "-md", str(self.draft), "-p", prompt, "-n", str(self.max_tokens), "--temp", "0",
-                             "--ignore-eos", "-t", str(self.threads), "-td", str(self.threads), "-c", "4096",
-                             "--no-warmup"], stderr=True)
+                             "-md", str(self.draft), "--spec-type", "draft-simple", "-p", prompt,
+                             "-n", str(self.max_tokens), "--temp", "0", "--ignore-eos", "-t", str(self.threads),
+                             "-td", str(self.threads), "-c", "4096"], stderr=True)
         return parse_speculative_simple(output)
 
     def _call(self, command: list[str], stderr: bool = False) -> str:

@@ -10,20 +10,17 @@ of this CPU, as a user building llama.cpp here gets), static, no network code, n
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
 from draftwise.paths import cache_root
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 TARGETS = ("llama-bench", "llama-speculative-simple")
-SDIST_INDEX = f"https://pypi.org/pypi/llama-cpp-python/{LLAMA_CPP_PYTHON}/json"
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                  "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF")
 
@@ -71,8 +68,8 @@ def _build(folder: Path, binaries: dict[str, Path], progress) -> None:
                                           f"{log}:\n" + "\n".join(tail))
     (folder / "bin").mkdir(exist_ok=True)
     for target, path in binaries.items():
-        built = next((folder / "build").rglob(target), None)
-        if built is None or not built.is_file():
+        built = folder / "build" / "bin" / target
+        if not built.is_file():
             raise LlamaCppUnavailable(f"llama.cpp's build made no {target} (see {log})")
         shutil.copy2(built, path)
     shutil.rmtree(folder / "build", ignore_errors=True)
@@ -80,31 +77,19 @@ def _build(folder: Path, binaries: dict[str, Path], progress) -> None:
 
 
 def _download_sdist(folder: Path, progress) -> Path:
-    """The sdist from PyPI, its sha256 checked against the index's."""
-    try:
-        with urllib.request.urlopen(SDIST_INDEX, timeout=60) as response:
-            files = json.load(response)["urls"]
-        sdist = next(f for f in files if f["packagetype"] == "sdist")
-    except (OSError, ValueError, KeyError, StopIteration) as error:
-        raise LlamaCppUnavailable(f"could not find the llama-cpp-python {LLAMA_CPP_PYTHON} sdist on PyPI "
-                                  f"({error})") from None
-    path = folder / sdist["filename"]
-    if not path.is_file() or _sha256(path) != sdist["digests"]["sha256"]:
-        from tqdm import tqdm
-
-        partial = path.with_suffix(".part")
-        try:
-            with urllib.request.urlopen(sdist["url"], timeout=60) as response, open(partial, "wb") as out, \
-                    tqdm(total=sdist["size"], unit="B", unit_scale=True, desc=sdist["filename"]) as bar:
-                while chunk := response.read(1 << 20):
-                    out.write(chunk)
-                    bar.update(len(chunk))
-        except OSError as error:
-            raise LlamaCppUnavailable(f"downloading {sdist['url']} failed ({error})") from None
-        if _sha256(partial) != sdist["digests"]["sha256"]:
-            raise LlamaCppUnavailable(f"{sdist['url']}: the download does not match PyPI's sha256")
-        partial.replace(path)
-    return path
+    """The sdist, by pip (so the index, proxy and certificates configured for pip apply)."""
+    found = sorted(folder.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+    if found:
+        return found[0]
+    progress(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist (about 75 MB)")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                           f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(folder)],
+                          capture_output=True, text=True)
+    found = sorted(folder.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"))
+    if done.returncode != 0 or not found:
+        raise LlamaCppUnavailable(f"pip could not download the llama-cpp-python {LLAMA_CPP_PYTHON} sdist: "
+                                  f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return found[0]
 
 
 def _unpack_vendored_sources(sdist: Path, sources: Path) -> None:
@@ -119,11 +104,3 @@ def _unpack_vendored_sources(sdist: Path, sources: Path) -> None:
         archive.extractall(staging, members=[m for m in members if m.name], filter="data")
     shutil.rmtree(sources, ignore_errors=True)
     staging.replace(sources)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
