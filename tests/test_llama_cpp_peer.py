@@ -91,7 +91,7 @@ def test_kernels_suite_sets_draftwise_beside_llama_cpp(settings, fake_llama_cpp)
     assert peer_passes == {n: pytest.approx(0.005 + 0.001 * n) for n in (1, 2, 4, 8, 16)}
     assert report.data["measures"]["plain"][1]["rss_bytes"] > report.data["measures"]["plain"][1]["weights_bytes"] > 0
     text = report.markdown
-    assert "| llama.cpp draft |" in text and "vs llama.cpp plain" in text and "RSS / weights" in text
+    assert "| llama.cpp draft |" in text and "vs llama.cpp plain" in text and "RSS / GGUF" in text
     assert "| llama.cpp plain | 6.0 | 1.00 | 1.17 | 1.50 | 2.17 | 3.50 |" in text  # n=1 in ms, then relative
 
 

@@ -114,4 +114,4 @@ class ResidentMemory:
         with open("/proc/self/statm") as statm:
             resident_pages = int(statm.read().split()[1])
         return {"rss_bytes": resident_pages * os.sysconf("SC_PAGE_SIZE"),
-                "weights_bytes": module_bytes(llm.model) + drafters}
+                "weights_bytes": module_bytes(llm.model) + drafters, "drafter_bytes": drafters}

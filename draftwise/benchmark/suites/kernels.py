@@ -29,10 +29,10 @@ from draftwise.benchmark.suites.speculative import header, measure_prompts, prom
 from draftwise.benchmark.summary import summarize
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.registry import DEFAULT_DRAFT
+from draftwise.speculative.registry import all_specs
 
 PEER = "llama.cpp"
 MAX_TOKENS = 64
-DEFAULT_CONFIGS = ("draft",)
 SIZES = (1, 2, 4, 8, 16)
 
 
@@ -42,18 +42,20 @@ def run(settings: BenchSettings) -> SuiteReport:
         raise InvalidParameterError(f"--suite kernels runs the peer {PEER!r} only, got {', '.join(unknown)}")
     params = sampling(settings, MAX_TOKENS, ignore_eos=True)
     prompts = prompts_for(settings, 4, params.max_tokens, datasets=("humaneval",))
-    named = {name: parse_config(name, settings.options) for name in settings.configs_or(list(DEFAULT_CONFIGS))}
+    # by default the drafter that drafts with a model, the way llama-speculative-simple does
+    default = [spec.name for spec in all_specs() if spec.drafts_with_model][:1]
+    named = {name: parse_config(name, settings.options) for name in settings.configs_or(default)}
     draft_model = next((o["model"] for o in settings.options.values() if o.get("model")), None) or DEFAULT_DRAFT
     peers, absent = peer_recipe(settings, draft_model, params.max_tokens)
-    probes = [ForwardCost(SIZES, context=256), ResidentMemory()]
+    probes = [ForwardCost(SIZES, context=256, repeats=9), ResidentMemory()]
     results = measure_prompts(settings, named, params, prompts, peers, probes)
     summary = summarize(results, compare_outputs=params.greedy)
     measures = {r.name: r.measures for r in results}
     text = "\n\n".join([header(settings, prompts, params) + " EOS ignored.",
                         control_line(summary[CONTROL]["all"]["speedup"]),
                         speed_table(summary, absent), "A forward pass over n new tokens after a 256-token context, "
-                        "relative to n = 1 of the same engine (llama.cpp: llama-bench's, median of 5):",
-                        cost_table(measures), memory_table(measures)])
+                        "relative to n = 1 of the same engine (median of 9; llama.cpp: llama-bench's):",
+                        cost_table(measures), memory_table(measures, gguf_bytes(settings, draft_model))])
     data = {"summary": summary, "absent": absent, "measures": measures,
             "requests": {r.name: [asdict(q) for q in r.requests] for r in results}}
     return SuiteReport("kernels", text, data)
@@ -100,9 +102,32 @@ def cost_table(measures: dict[str, list[dict]]) -> str:
     return table(["config", "n=1 ms", *(f"n={n}" for n in SIZES)], rows)
 
 
-def memory_table(measures: dict[str, list[dict]]) -> str:
-    rows = [[name, f"{m['rss_bytes'] / 2**20:.0f}", f"{m['weights_bytes'] / 2**20:.0f}",
-             f"{m['rss_bytes'] / m['weights_bytes']:.2f}"]
-            for name, probes in measures.items() for m in [probes[1]] if m]
-    return ("Resident memory of each draftwise process after the run, against its weights (target, and draft "
-            "model where it has one):\n\n" + table(["config", "RSS MiB", "weights MiB", "RSS / weights"], rows))
+def gguf_bytes(settings: BenchSettings, draft_model: str) -> dict[str, int | None]:
+    """The GGUF files' sizes: "target" and "draft_model" (None: not a GGUF model)."""
+    from draftwise.benchmark.peers import gguf_path
+
+    sizes = {}
+    for role, model in (("target", settings.model), ("draft_model", draft_model)):
+        try:
+            sizes[role] = gguf_path(model).stat().st_size
+        except (InvalidParameterError, OSError):
+            sizes[role] = None
+    return sizes
+
+
+def memory_table(measures: dict[str, list[dict]], files: dict[str, int | None]) -> str:
+    """Each draftwise process's resident memory against its weights in memory and the GGUF files
+    they came from (the target's, plus the draft model's for a config that loaded one)."""
+    rows = []
+    for name, probes in measures.items():
+        m = probes[1]
+        if not m:
+            continue
+        with_draft = m["drafter_bytes"] > 0
+        gguf = files["target"] + (files["draft_model"] or 0) * with_draft if files["target"] else None
+        rows.append([name, f"{m['rss_bytes'] / 2**20:.0f}", f"{m['weights_bytes'] / 2**20:.0f}",
+                     "-" if gguf is None else f"{gguf / 2**20:.0f}",
+                     "-" if gguf is None else f"{m['rss_bytes'] / gguf:.2f}"])
+    return ("Resident memory of each draftwise process after the run, against its weights in memory and the GGUF "
+            "files they came from (target, and the draft model's for a config with one):\n\n" +
+            table(["config", "RSS MiB", "weights in memory MiB", "GGUF MiB", "RSS / GGUF"], rows))
