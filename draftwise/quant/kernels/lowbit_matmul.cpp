@@ -141,19 +141,62 @@ void quad(int rows, const Weights& w, const at::BFloat16* x, int64_t k, int64_t 
 // Channel quads split across threads; within a quad, the rows in tiles of up to 8 (a quad's
 // weights stay in L1 across the tiles). Large M (prefill) runs in blocks of rows so x stays in cache.
 // tile(rows, first_row, first_channel) computes out[first_row .. first_row + rows, the quad's channels].
-template <typename Tile>
-void over_tiles(int64_t m, int64_t n, Tile tile) {
+constexpr int64_t kRowBlock = 64;
+
+// over_quad(first_row, rows, first_channel) for every block of rows and channel quad, quads split
+// across threads.
+template <typename OverQuad>
+void over_quads(int64_t m, int64_t n, OverQuad over_quad) {
   const int64_t quads = (n + 3) / 4;
-  constexpr int64_t kRowBlock = 64;
   for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
     const int64_t block = std::min(kRowBlock, m - row0);
     at::parallel_for(0, quads, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q)
-        for (int64_t r = 0; r < block; r += kMaxRows)
-          tile(static_cast<int>(std::min<int64_t>(kMaxRows, block - r)), row0 + r, 4 * q);
+      for (int64_t q = begin; q < end; ++q) over_quad(row0, block, 4 * q);
     });
   }
 }
+
+template <typename Tile>
+void over_tiles(int64_t m, int64_t n, Tile tile) {
+  over_quads(m, n, [&](int64_t row0, int64_t block, int64_t channel) {
+    for (int64_t r = 0; r < block; r += kMaxRows)
+      tile(static_cast<int>(std::min<int64_t>(kMaxRows, block - r)), row0 + r, channel);
+  });
+}
+
+// One quad's weights dequantized to bf16 once, for passes of more than one row tile (prefill, long
+// verifications): each further tile then reads them instead of dequantizing again. The bf16 values
+// are those `Weights::pair` computes on the fly and every (row, channel) still sums its groups in
+// order, so a row's result is bit for bit the one the unbuffered tiles give.
+template <typename Weights>
+struct DequantizedQuad {
+  const Weights& w;
+  at::BFloat16* buffer;  // [4 (channels of the quad), K]
+  int64_t first;  // the quad's first channel
+  int64_t k;
+  int64_t groups;
+  int64_t channels;
+
+  DequantizedQuad(const Weights& weights, at::BFloat16* buffer, int64_t first, int64_t k)
+      : w(weights), buffer(buffer), first(first), k(k), groups(weights.groups), channels(weights.channels) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t slot = 0; slot < 4; ++slot) {
+      const int64_t channel = std::min(first + slot, channels - 1);
+      for (int64_t g = 0; g < groups; g += 2) {
+        __m512bh a, b;
+        w.pair(channel, g, iota, a, b);
+        _mm512_storeu_si512(buffer + slot * k + g * kGroup, reinterpret_cast<__m512i>(a));
+        _mm512_storeu_si512(buffer + slot * k + (g + 1) * kGroup, reinterpret_cast<__m512i>(b));
+      }
+    }
+  }
+  void pair(int64_t channel, int64_t g, __m512, __m512bh& a, __m512bh& b) const {
+    const at::BFloat16* at = buffer + (channel - first) * k + g * kGroup;  // channel is clamped: in the quad
+    a = load_bf16x32(at);
+    b = load_bf16x32(at + kGroup);
+  }
+  float finish(int64_t channel, float sum) const { return w.finish(channel, sum); }
+};
 
 template <typename Weights>
 torch::Tensor matmul(const Weights& w, const torch::Tensor& x, int64_t n) {
@@ -161,8 +204,19 @@ torch::Tensor matmul(const Weights& w, const torch::Tensor& x, int64_t n) {
   auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   float* op = out.data_ptr<float>();
-  over_tiles(m, n, [&](int rows, int64_t row, int64_t channel) {
-    quad(rows, w, xp + row * k, k, channel, op + row * n, n);
+  if (m <= kMaxRows) {
+    over_tiles(m, n, [&](int rows, int64_t row, int64_t channel) {
+      quad(rows, w, xp + row * k, k, channel, op + row * n, n);
+    });
+    return out;
+  }
+  over_quads(m, n, [&](int64_t row0, int64_t block, int64_t channel) {
+    thread_local std::vector<at::BFloat16> buffer;
+    buffer.resize(4 * k);
+    const DequantizedQuad<Weights> dequantized(w, buffer.data(), channel, k);
+    for (int64_t r = 0; r < block; r += kMaxRows)
+      quad(static_cast<int>(std::min<int64_t>(kMaxRows, block - r)), dequantized, xp + (row0 + r) * k, k, channel,
+           op + (row0 + r) * n, n);
   });
   return out;
 }
