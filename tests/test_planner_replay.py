@@ -80,3 +80,12 @@ def test_a_copied_stretch_is_replayed_as_one():
     prefill = costs.target_seconds(10)
     assert abs(fixed.seconds - (prefill + 29 * 0.05 * 1.6 + 196 * 0.05)) < 1e-9
     assert adaptive.tokens_per_second > 0.97 * fixed.tokens_per_second
+
+
+def test_prefill_cost_is_the_line_through_the_timed_prefills():
+    from draftwise.planner.measure import PrefillCost
+
+    fitted = PrefillCost.fit([(n, 0.05 + 0.02 * n) for n in (10, 80, 200, 35)])
+    assert abs(fitted.fixed - 0.05) < 1e-9 and abs(fitted.per_token - 0.02) < 1e-9
+    assert abs(fitted.seconds(100) - 2.05) < 1e-9
+    assert PrefillCost.fit([(50, 1.0), (50, 1.2)]) is None  # one length: no line

@@ -54,12 +54,12 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     prefill_seconds = prefill.seconds if prefill is not None else None
     simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True, prefill_seconds=prefill_seconds).seconds
     calibration = plain_seconds / simulated
-    overhead = max(0.0, plain_seconds - simulated) / sum(r.output_tokens - 1 for r in requests) if any(
-        r.output_tokens > 1 for r in requests) else 0.0  # per decoding step
+    decoding_steps = sum(r.output_tokens - 1 for r in requests)
+    overhead = max(0.0, plain_seconds - simulated) / decoding_steps if decoding_steps else 0.0
+    prefills = (f"; a prefill {prefill.fixed * 1e3:.0f} ms + {prefill.per_token * 1e3:.2f} ms a prompt token"
+                if prefill else "")
     progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass (the passes "
-             f"themselves as timed while running)" + (f"; a prefill {prefill.fixed * 1e3:.0f} ms + "
-                                                      f"{prefill.per_token * 1e3:.2f} ms a prompt token"
-                                                      if prefill else ""))
+             f"themselves as timed while running){prefills}")
     plain_costs = live_plain.with_overhead(overhead)
     drafters, costs_by_method, acceptance_by_method, replays = [], {}, {}, {}
     for method in options.drafters:
