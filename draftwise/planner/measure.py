@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from draftwise.llm import LLM
 from draftwise.planner.replay import Replay, match_lengths
 from draftwise.planner.simulate import Acceptance, Request
@@ -63,12 +65,9 @@ class PrefillCost:
         """From (prompt tokens, seconds); None without two distinct lengths."""
         if len({n for n, _ in points}) < 2:
             return None
-        mean_n = sum(n for n, _ in points) / len(points)
-        mean_s = sum(s for _, s in points) / len(points)
-        slope = (sum((n - mean_n) * (s - mean_s) for n, s in points) /
-                 sum((n - mean_n) ** 2 for n, _ in points))
-        slope = max(slope, 0.0)
-        return PrefillCost(max(0.0, mean_s - slope * mean_n), slope)
+        lengths, seconds = np.array(points, dtype=np.float64).T
+        slope = max(float(np.polyfit(lengths, seconds, 1)[0]), 0.0)
+        return PrefillCost(max(0.0, float(seconds.mean() - slope * lengths.mean())), slope)
 
 
 def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int,

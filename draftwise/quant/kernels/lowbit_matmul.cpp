@@ -138,13 +138,10 @@ void quad(int rows, const Weights& w, const at::BFloat16* x, int64_t k, int64_t 
   }
 }
 
-// Channel quads split across threads; within a quad, the rows in tiles of up to 8 (a quad's
-// weights stay in L1 across the tiles). Large M (prefill) runs in blocks of rows so x stays in cache.
-// tile(rows, first_row, first_channel) computes out[first_row .. first_row + rows, the quad's channels].
 constexpr int64_t kRowBlock = 64;
 
-// over_quad(first_row, rows, first_channel) for every block of rows and channel quad, quads split
-// across threads.
+// over_quad(first_row, rows, first_channel) for every block of rows and channel quad: quads split
+// across threads, large M (prefill) in blocks of rows so x stays in cache.
 template <typename OverQuad>
 void over_quads(int64_t m, int64_t n, OverQuad over_quad) {
   const int64_t quads = (n + 3) / 4;
@@ -156,6 +153,8 @@ void over_quads(int64_t m, int64_t n, OverQuad over_quad) {
   }
 }
 
+// Within a quad, the rows in tiles of up to 8 (a quad's weights stay in L1 across the tiles).
+// tile(rows, first_row, first_channel) computes out[first_row .. first_row + rows, the quad's channels].
 template <typename Tile>
 void over_tiles(int64_t m, int64_t n, Tile tile) {
   over_quads(m, n, [&](int64_t row0, int64_t block, int64_t channel) {
@@ -204,13 +203,11 @@ torch::Tensor matmul(const Weights& w, const torch::Tensor& x, int64_t n) {
   auto out = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   float* op = out.data_ptr<float>();
-  if (m <= kMaxRows) {
-    over_tiles(m, n, [&](int rows, int64_t row, int64_t channel) {
-      quad(rows, w, xp + row * k, k, channel, op + row * n, n);
-    });
-    return out;
-  }
   over_quads(m, n, [&](int64_t row0, int64_t block, int64_t channel) {
+    if (block <= kMaxRows) {  // one tile: dequantized on the fly
+      quad(static_cast<int>(block), w, xp + row0 * k, k, channel, op + row0 * n, n);
+      return;
+    }
     thread_local std::vector<at::BFloat16> buffer;
     buffer.resize(4 * k);
     const DequantizedQuad<Weights> dequantized(w, buffer.data(), channel, k);
