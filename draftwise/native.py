@@ -47,25 +47,25 @@ def unavailable_reason(required_flags: tuple[str, ...]) -> str | None:
     return None
 
 
-def source_digest(source: Path, flags: list[str]) -> str:
-    """Names a build: its source and its compiler flags."""
-    return hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+def source_digest(sources: list[Path], flags: list[str]) -> str:
+    """Names a build: its sources and its compiler flags."""
+    return hashlib.sha256(b"".join(source.read_bytes() for source in sources) + " ".join(flags).encode()).hexdigest()[:12]
 
 
-def build(family: str, source: Path, flags: list[str], required_flags: tuple[str, ...]):
-    """The compiled extension module of `source`, or None where it cannot be had (logged)."""
+def build(family: str, sources: list[Path], flags: list[str], required_flags: tuple[str, ...]):
+    """The compiled extension module of `sources`, or None where it cannot be had (logged)."""
     reason = unavailable_reason(required_flags)
     if reason is not None:
         log.info("native %s kernels not used: %s", family, reason)
         return None
     from torch.utils import cpp_extension
 
-    digest = source_digest(source, flags)
+    digest = source_digest(sources, flags)
     version = torch.__version__.replace("+", "-")
     folder = cache_root() / "kernels" / f"{family}-{digest}-torch{version}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=f"draftwise_{family}_{digest}", sources=[str(source)], extra_cflags=flags,
+        return cpp_extension.load(name=f"draftwise_{family}_{digest}", sources=[str(source) for source in sources], extra_cflags=flags,
                                   extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as error:  # a failed build must not stop the engine: PyTorch's ops remain
         log.warning("native %s kernels failed to build, using PyTorch's: %s", family, str(error).splitlines()[0])

@@ -213,7 +213,7 @@ def test_native_kernel_is_exact_up_to_float32_accumulation(kind, monkeypatch):
     (int8 activations, where measured faster, have their own test: test_int8_activations.py.)"""
     if native_kernels() is None:
         pytest.skip("native low-bit kernels unavailable here")
-    monkeypatch.setattr("draftwise.quant.linear.int8_activations", lambda out_features, in_features: False)
+    monkeypatch.setattr("draftwise.quant.linear.int8_activations", lambda kind, out_features, in_features: False)
     torch.manual_seed(2)
     weight = torch.randn(66, 256) * 0.05
     layer = make_layer(kind, weight, None, native=True)

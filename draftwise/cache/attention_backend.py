@@ -39,7 +39,7 @@ REQUIRED_CPU_FLAGS = ("avx512f", "fma")
 @cache
 def native_kernels():
     """The compiled paged-attention extension, or None where it cannot be had."""
-    return native.build("attention", SOURCE, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
+    return native.build("attention", [SOURCE], COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

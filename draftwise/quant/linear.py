@@ -14,9 +14,11 @@ PyTorch's kernels cost 0.38 ms per row in bf16 but 11.8 ms (int4) / 5.7 ms (int8
 activations (a generic path). So activations are rounded to bf16 on the way in and the output
 returns in the caller's dtype. Both paths compute every row the same way whatever the number of rows.
 
-int8 layers may instead quantize their activations to int8 per block of 128 and multiply with VNNI
-byte dot products (`int8_matmul_q8`), where that measured faster on this machine for the layer's
-shape (`activation_choice`; one kernel per layer for every pass, so that rows stay independent).
+Both kinds may instead quantize their activations to int8 (int8 layers per block of 128, int4 layers
+per group of 32) and multiply with VNNI byte dot products (`int8_matmul_q8`, `int4_matmul_q8`, the
+latter with its weights in strips of 16 channels: `pack_strips`), where that measured faster on this
+machine for the layer's shape (`activation_choice`; one kernel per layer for every pass, so that rows
+stay independent).
 """
 
 from __future__ import annotations
@@ -37,48 +39,69 @@ class Int4Linear(nn.Module):
     def __init__(self, quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
                  bias: torch.Tensor | None, *, native: bool = True) -> None:
         """quants uint8 [N, K] in 0..15; scales, minimums float32 [N, K/32]; weight = scale * q - minimum.
-        native=False keeps PyTorch's kernel even where the native one is available."""
+        native=False keeps PyTorch's kernel even where the native ones are available."""
         super().__init__()
         self.out_features, self.in_features = quants.shape
-        self.kernels = native_kernels() if native and self.in_features % NATIVE_K_MULTIPLE == 0 else None
         self.bias = bias
-        if self.kernels is not None:
+        self.kernels = native_kernels() if native else None
+        self.int8_activations = self.kernels is not None and int8_activations("int4", *quants.shape)
+        if self.int8_activations:
+            self.strips = pack_strips(quants, scales, minimums)
+            return
+        if self.kernels is not None and self.in_features % NATIVE_K_MULTIPLE == 0:
             self.nibbles, self.scale_min = pack_for_native(quants, scales, minimums)
             return
+        self.kernels = None
         self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quants.to(torch.int32), 2)
         zeros = 8 * scales - minimums  # (q - 8) * scale + zero == scale * q - minimum
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()  # [K/32, N, 2]
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int4Linear":
-        """Rebuild a layer from `packed_state()` (the packed-weight cache), without repacking."""
+        """Rebuild a layer from `packed_state()` (the packed-weight cache), without repacking where the
+        cached layout is the one this machine's kernel choice takes."""
+        if "strips" in state or "nibbles" in state:
+            if native_kernels() is None:
+                raise ValueError("packed for the native kernels, which are not available")
+            n, k = (int(v) for v in state["shape"])
+            wanted = "strips" if int8_activations("int4", n, k) else "nibbles"
+            if wanted not in state:  # the choice was measured again since: same weights, the other layout
+                return cls(*_unpacked(state, n, k), bias)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.bias = bias
-        if "nibbles" in state:
+        if "strips" in state or "nibbles" in state:
             layer.kernels = native_kernels()
-            if layer.kernels is None:
-                raise ValueError("packed for the native kernels, which are not available")
-            layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
             layer.out_features, layer.in_features = (int(v) for v in state["shape"])
+            layer.int8_activations = "strips" in state
+            if layer.int8_activations:
+                layer.strips = state["strips"]
+            else:
+                layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
             return layer
-        layer.kernels = None
+        layer.kernels, layer.int8_activations = None, False
         layer.packed_weight, layer.scales_and_zeros = state["packed_weight"], state["scales_and_zeros"]
         layer.in_features = layer.scales_and_zeros.shape[0] * INT4_GROUP
         layer.out_features = layer.scales_and_zeros.shape[1]
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:
+        shape = torch.tensor([self.out_features, self.in_features])
+        if self.int8_activations:
+            return {"strips": self.strips, "shape": shape}
         if self.kernels is not None:
-            shape = torch.tensor([self.out_features, self.in_features])
             return {"nibbles": self.nibbles, "scale_min": self.scale_min, "shape": shape}
         return {"packed_weight": self.packed_weight, "scales_and_zeros": self.scales_and_zeros}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
-        if self.kernels is not None:
+        if self.int8_activations:
+            flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
+            out = native_ops.int4_q8(flat, self.strips, self.out_features)  # [M, N] float32
+        elif self.kernels is not None:
+            flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = native_ops.int4(flat, self.nibbles, self.scale_min, self.out_features)  # [M, N] float32
         else:
+            flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, INT4_GROUP, self.scales_and_zeros)
         out = out.to(x.dtype)
         if self.bias is not None:
@@ -88,14 +111,22 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer computes with (for tests)."""
         if self.kernels is not None:
-            quants, scales, minimums = unpack_from_native(self.nibbles, self.scale_min, self.out_features, self.in_features)
+            quants, scales, minimums = _unpacked(self.packed_state(), self.out_features, self.in_features)
             groups = quants.view(self.out_features, -1, INT4_GROUP).double()  # [N, K/32, 32]
-            # the kernel's fused multiply-subtract rounds once to float32, then to bf16
-            weight = (scales.double()[..., None] * groups - minimums.double()[..., None]).float()
-            return weight.to(KERNEL_DTYPE).float().view(self.out_features, self.in_features)
+            weight = scales.double()[..., None] * groups - minimums.double()[..., None]
+            if not self.int8_activations:  # the bf16 kernel's fused multiply-subtract rounds to float32, then bf16
+                weight = weight.float().to(KERNEL_DTYPE)
+            return weight.float().view(self.out_features, self.in_features)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float().contiguous()
+
+
+def _unpacked(state: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """quants, scales, minimums of a native layer's packed state (either layout)."""
+    if "strips" in state:
+        return unpack_strips(state["strips"], n, k)
+    return unpack_from_native(state["nibbles"], state["scale_min"], n, k)
 
 
 class Int8Linear(nn.Module):
@@ -115,7 +146,7 @@ class Int8Linear(nn.Module):
         native_ok = native and self.in_features % NATIVE_K_MULTIPLE == 0
         self.kernels = native_kernels() if native_ok else None
         self.scales_float = self.scales.float()  # [N], what the native kernel takes
-        self.int8_activations = self.kernels is not None and int8_activations(self.out_features, self.in_features)
+        self.int8_activations = self.kernels is not None and int8_activations("int8", self.out_features, self.in_features)
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int8Linear":
@@ -181,3 +212,36 @@ def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scales = ((high - low) / 15).clamp(min=1e-12)
     quants = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
     return quants.view(weight.shape), scales, -low  # weight ~ scale * q - minimum with minimum = -low
+
+
+STRIP = 16  # channels per strip in the int8-activation int4 layout
+
+
+def pack_strips(quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """quants uint8 [N, K], scales and minimums [N, K/32] -> the int8-activation kernel's int4 layout
+    (int4_q8_matmul.cpp): uint8 [N/16, K/32, 320], per strip of 16 channels and group, nibbles
+    [4 (t), 16 (channel), 4 (j)] holding q[c, 4t + j] low and q[c, 16 + 4t + j] high, then fp16
+    scales [16] and minimums [16]. Channels padded to a multiple of 16 with zero weights."""
+    n, k = quants.shape
+    pad = -n % STRIP
+    quants = torch.nn.functional.pad(quants.to(torch.uint8), (0, 0, 0, pad))  # [N16, K]
+    groups = quants.view(-1, STRIP, k // INT4_GROUP, 2, 4, 4)  # [N/16, 16 (c), K/32, 2 (half), 4 (t), 4 (j)]
+    nibbles = groups[:, :, :, 0] | (groups[:, :, :, 1] << 4)  # [N/16, 16 (c), K/32, 4 (t), 4 (j)]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(-1, k // INT4_GROUP, 256)  # [N/16, K/32, t c j]
+
+    def per_strip(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> fp16 bytes [N/16, K/32, 32]
+        values = torch.nn.functional.pad(values.float(), (0, 0, 0, pad)).half()
+        return values.view(-1, STRIP, k // INT4_GROUP).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([nibbles, per_strip(scales), per_strip(minimums)], dim=-1).contiguous()
+
+
+def unpack_strips(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """The inverse of `pack_strips`: quants uint8 [N, K], scales and minimums float32 [N, K/32]."""
+    nibbles = packed[..., :256].reshape(-1, k // INT4_GROUP, 4, STRIP, 4).permute(0, 3, 1, 2, 4)  # [N/16, c, K/32, t, j]
+    quants = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(-1, k)[:n]  # [N, K]
+
+    def per_channel(raw: torch.Tensor) -> torch.Tensor:  # fp16 bytes [N/16, K/32, 32] -> float [N, K/32]
+        return raw.contiguous().view(torch.float16).transpose(1, 2).reshape(-1, k // INT4_GROUP)[:n].float()
+
+    return quants, per_channel(packed[..., 256:288]), per_channel(packed[..., 288:320])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from draftwise import native
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "lowbit_matmul.cpp"
+SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("lowbit_matmul.cpp", "int4_q8_matmul.cpp")]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma")
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
 
@@ -26,11 +26,11 @@ def unavailable_reason() -> str | None:
 
 def source_digest() -> str:
     """Names a build and the weight layouts it reads (the packed-weight cache is keyed by it)."""
-    return native.source_digest(SOURCE, COMPILE_FLAGS)
+    return native.source_digest(SOURCES, COMPILE_FLAGS)
 
 
 @cache
 def kernels():
-    """The compiled extension module (int4_matmul, int8_matmul, int8_matmul_q8), or None where it cannot be had."""
-    return native.build("lowbit", SOURCE, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
+    """The compiled extension module (int4_matmul, int4_matmul_q8, int8_matmul, int8_matmul_q8), or None where it cannot be had."""
+    return native.build("lowbit", SOURCES, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
 

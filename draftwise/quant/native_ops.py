@@ -20,6 +20,18 @@ def _(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_featu
     return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
 
+@torch.library.custom_op("draftwise::int4_matmul_q8", mutates_args=())
+def int4_matmul_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x float32 [M, K] (quantized to int8 per group of 32 inside) times an int4 weight in strips:
+    float32 [M, out_features]."""
+    return kernels().int4_matmul_q8(x, strips, out_features)
+
+
+@int4_matmul_q8.register_fake
+def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
 @torch.library.custom_op("draftwise::int8_matmul", mutates_args=())
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x bf16 [M, K] times int8 weight [N, K] with per-channel float scales [N]: float32 [M, N]."""
@@ -47,6 +59,12 @@ def int4(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_fe
     if torch.compiler.is_compiling():
         return int4_matmul(x, nibbles, scale_min, out_features)
     return kernels().int4_matmul(x, nibbles, scale_min, out_features)
+
+
+def int4_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return int4_matmul_q8(x, strips, out_features)
+    return kernels().int4_matmul_q8(x, strips, out_features)
 
 
 def int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

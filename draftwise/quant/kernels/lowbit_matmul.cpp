@@ -359,8 +359,11 @@ torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor weights, torch::Tens
   return out;
 }
 
+torch::Tensor int4_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n);  // int4_q8_matmul.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "x bf16 [M, K] @ int4 weights [N, K]^T -> float [M, N]");
   m.def("int8_matmul", &int8_matmul, "x bf16 [M, K] @ int8 weights [N, K]^T -> float [M, N]");
+  m.def("int4_matmul_q8", &int4_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ int4 weights in strips -> float [M, N]");
   m.def("int8_matmul_q8", &int8_matmul_q8, "x float [M, K], quantized to int8 per block of 128, @ int8 weights [N, K]^T -> float [M, N]");
 }
