@@ -50,7 +50,7 @@ def test_the_kernel_computes_its_own_quantization_exactly_up_to_float32_accumula
     layer = make_layer(kind, 67, 384, scale=0.05)  # 67 channels: a partial quad and strip
     x = torch.randn(11, 384) * torch.linspace(0.01, 30, 384)  # blocks of very different ranges
     x[3, 128:256] = 0  # an all-zero block
-    expected = quantized_reference(x, layer, BLOCK[kind])
+    expected = quantized_reference(x, layer, BLOCK)
     assert (layer(x).double() - expected).abs().max() < 1e-5 * expected.abs().max()
     # ... and the quantization costs little against the exact product of float activations
     exact = x.double() @ layer.dequantized().double().t()
@@ -70,7 +70,7 @@ def test_int8_activation_rows_are_independent_of_the_pass(kind, int8_activations
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_a_verification_pass_equals_single_steps_with_int8_activations(quantization, int8_activations_on, tmp_path):
-    folder = write_tiny_model(tmp_path, "qwen2", seed=2, hidden_size=128)  # every K a multiple of 128
+    folder = write_tiny_model(tmp_path, "qwen2", seed=2, hidden_size=128)  # every K a multiple of 32
     model = load_model(folder, quantization=quantization)
     layers = [layer for layer in model.modules() if isinstance(layer, (Int4Linear, Int8Linear))]
     assert layers and all(layer.int8_activations for layer in layers)
@@ -79,16 +79,18 @@ def test_a_verification_pass_equals_single_steps_with_int8_activations(quantizat
     assert torch.equal(together, steps)
 
 
-def test_a_cached_int4_layer_in_the_other_layout_is_repacked_not_misread(monkeypatch):
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_cached_layer_in_the_other_layout_is_repacked_not_misread(kind, monkeypatch):
     """The packed-weight cache may hold the layout of an earlier choice: the layer takes today's."""
     torch.manual_seed(5)
     weight = torch.randn(40, 128)
+    build = (lambda: Int8Linear(weight, None)) if kind == "int8" else (lambda: Int4Linear(*quantize_int4_groups(weight), None))
     for cached_choice in (True, False):
         monkeypatch.setattr("draftwise.quant.linear.int8_activations", lambda kind, n, k: cached_choice)
-        cached = Int4Linear(*quantize_int4_groups(weight), None).packed_state()
+        cached = build().packed_state()
         monkeypatch.setattr("draftwise.quant.linear.int8_activations", lambda kind, n, k: not cached_choice)
-        fresh = Int4Linear(*quantize_int4_groups(weight), None)
-        loaded = Int4Linear.from_packed(cached, None)
+        fresh = build()
+        loaded = type(fresh).from_packed(cached, None)
         assert loaded.int8_activations == fresh.int8_activations == (not cached_choice)
         x = torch.randn(3, 128)
         assert torch.equal(loaded(x), fresh(x))
@@ -111,7 +113,7 @@ def test_the_choice_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch)
     assert json.loads(path.read_text())["int8 200x256"]["int8"] is True
     activation_choice._choice.cache_clear()  # another process: reads the file, measures nothing
     assert activation_choice.int8_activations("int8", 200, 256) and measured == [(200, 256), (64, 256)]
-    assert not activation_choice.int8_activations("int8", 200, 200)  # K not a multiple of 128: bf16, unmeasured
+    assert not activation_choice.int8_activations("int8", 200, 200)  # K not a multiple of 32: bf16, unmeasured
     monkeypatch.setenv(activation_choice.ACTIVATIONS_ENV, "0")
     assert not activation_choice.int8_activations("int8", 200, 256)
     activation_choice._choice.cache_clear()

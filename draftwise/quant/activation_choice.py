@@ -35,7 +35,7 @@ from draftwise.paths import cache_root
 from draftwise.quant.native import kernels, source_digest
 
 ACTIVATIONS_ENV = "DRAFTWISE_INT8_ACTIVATIONS"
-ACTIVATION_BLOCK = {"int8": 128, "int4": 32}  # each kernel quantizes activations in blocks of this many inputs
+ACTIVATION_BLOCK = 32  # the kernels quantize activations in groups of this many inputs
 VERIFY_ROWS = 8
 REPEATS = 3
 
@@ -43,7 +43,7 @@ REPEATS = 3
 def int8_activations(kind: str, out_features: int, in_features: int) -> bool:
     """Whether a layer of this weight kind ("int4", "int8") and shape computes with int8 activations
     on this machine."""
-    if os.environ.get(ACTIVATIONS_ENV, "1") == "0" or kernels() is None or in_features % ACTIVATION_BLOCK[kind]:
+    if os.environ.get(ACTIVATIONS_ENV, "1") == "0" or kernels() is None or in_features % ACTIVATION_BLOCK:
         return False
     return _choice(kind, out_features, in_features)
 
@@ -79,7 +79,7 @@ def _read(path: Path) -> dict:
 def measure(kind: str, out_features: int, in_features: int) -> dict:
     """Both kernels on random weights of this kind and shape at 1 and VERIFY_ROWS rows: the fastest
     of a few runs each (ms), and the choice."""
-    from draftwise.quant.linear import pack_for_native, pack_strips
+    from draftwise.quant.linear import pack_for_native, pack_int8_strips, pack_strips
 
     native = kernels()
     generator = torch.Generator().manual_seed(0)
@@ -87,7 +87,8 @@ def measure(kind: str, out_features: int, in_features: int) -> dict:
         weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
         scales = torch.rand(out_features, generator=generator) * 1e-2
         with_bf16 = lambda x: native.int8_matmul(x.to(torch.bfloat16), weight, scales)  # noqa: E731
-        with_int8 = lambda x: native.int8_matmul_q8(x, weight, scales)  # noqa: E731
+        strips, padded_scales = pack_int8_strips(weight), torch.nn.functional.pad(scales, (0, -out_features % 16))
+        with_int8 = lambda x: native.int8_matmul_q8(x, strips, padded_scales, out_features)  # noqa: E731
     else:
         quants = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
         scales = torch.rand(out_features, in_features // 32, generator=generator) * 1e-2

@@ -143,27 +143,41 @@ class Int8Linear(nn.Module):
         self._use_kernels(native)
 
     def _use_kernels(self, native: bool) -> None:
+        """Keeps the int8 weights in the layout of the kernel this machine's choice takes."""
         native_ok = native and self.in_features % NATIVE_K_MULTIPLE == 0
         self.kernels = native_kernels() if native_ok else None
         self.scales_float = self.scales.float()  # [N], what the native kernel takes
         self.int8_activations = self.kernels is not None and int8_activations("int8", self.out_features, self.in_features)
+        if self.int8_activations:
+            self.strips = pack_int8_strips(self.weight_int8)
+            self.scales_float = torch.nn.functional.pad(self.scales_float, (0, -self.out_features % STRIP))  # [N16]
+            del self.weight_int8
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int8Linear":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.weight_int8, layer.scales, layer.bias = state["weight_int8"], state["scales"], bias
-        layer.out_features, layer.in_features = layer.weight_int8.shape
+        layer.scales, layer.bias = state["scales"], bias
+        layer.out_features, layer.in_features = (int(v) for v in state["shape"])
+        if "strips" in state and int8_activations("int8", layer.out_features, layer.in_features):
+            layer.kernels, layer.int8_activations, layer.strips = native_kernels(), True, state["strips"]
+            layer.scales_float = torch.nn.functional.pad(layer.scales.float(), (0, -layer.out_features % STRIP))
+            return layer
+        layer.weight_int8 = state["weight_int8"] if "weight_int8" in state else \
+            unpack_int8_strips(state["strips"], layer.out_features, layer.in_features)
         layer._use_kernels(True)
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:
-        return {"weight_int8": self.weight_int8, "scales": self.scales}
+        shape = torch.tensor([self.out_features, self.in_features])
+        if self.int8_activations:
+            return {"strips": self.strips, "scales": self.scales, "shape": shape}
+        return {"weight_int8": self.weight_int8, "scales": self.scales, "shape": shape}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per block by the kernel
-            out = native_ops.int8_q8(flat, self.weight_int8, self.scales_float)  # [M, N] float32
+            flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
+            out = native_ops.int8_q8(flat, self.strips, self.scales_float, self.out_features)  # [M, N] float32
         elif self.kernels is not None:
             flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = native_ops.int8(flat, self.weight_int8, self.scales_float)  # [M, N] float32
@@ -176,6 +190,8 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
+        if self.int8_activations:
+            return unpack_int8_strips(self.strips, self.out_features, self.in_features).float() * self.scales.float()[:, None]
         return self.weight_int8.float() * self.scales.float()[:, None]
 
 
@@ -245,3 +261,19 @@ def unpack_strips(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, .
         return raw.contiguous().view(torch.float16).transpose(1, 2).reshape(-1, k // INT4_GROUP)[:n].float()
 
     return quants, per_channel(packed[..., 256:288]), per_channel(packed[..., 288:320])
+
+
+def pack_int8_strips(weight_int8: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the int8-activation kernel's int8 layout (q8_matmul.cpp): uint8 [N/16, K/32, 512],
+    byte (h, t, c, j) of a strip's group holding v[c, 16h + 4t + j] + 128. Channels padded with zeros."""
+    n, k = weight_int8.shape
+    padded = torch.nn.functional.pad(weight_int8, (0, 0, 0, -n % STRIP))  # [N16, K]
+    unsigned = (padded.to(torch.int16) + 128).to(torch.uint8)
+    groups = unsigned.view(-1, STRIP, k // INT4_GROUP, 2, 4, 4)  # [N/16, c, K/32, h, t, j]
+    return groups.permute(0, 2, 3, 4, 1, 5).reshape(-1, k // INT4_GROUP, 512).contiguous()
+
+
+def unpack_int8_strips(strips: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_int8_strips`: int8 [N, K]."""
+    groups = strips.view(-1, k // INT4_GROUP, 2, 4, STRIP, 4).permute(0, 4, 1, 2, 3, 5)  # [N/16, c, K/32, h, t, j]
+    return (groups.reshape(-1, k)[:n].to(torch.int16) - 128).to(torch.int8)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from draftwise import native
 
-SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("lowbit_matmul.cpp", "int4_q8_matmul.cpp")]
+SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("lowbit_matmul.cpp", "q8_matmul.cpp")]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma")
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
 

@@ -44,15 +44,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 
 
 @torch.library.custom_op("draftwise::int8_matmul_q8", mutates_args=())
-def int8_matmul_q8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x float32 [M, K] (quantized to int8 per block of 128 inside) times int8 weight [N, K] with
-    per-channel float scales [N]: float32 [M, N]."""
-    return kernels().int8_matmul_q8(x, weight, scales)
+def int8_matmul_q8(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x float32 [M, K] (quantized to int8 per group of 32 inside) times an int8 weight in strips with
+    per-channel float scales [N padded to 16]: float32 [M, out_features]."""
+    return kernels().int8_matmul_q8(x, strips, scales, out_features)
 
 
 @int8_matmul_q8.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+def _(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
 
 def int4(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -73,7 +73,7 @@ def int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.T
     return kernels().int8_matmul(x, weight, scales)
 
 
-def int8_q8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_q8(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_features: int) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return int8_matmul_q8(x, weight, scales)
-    return kernels().int8_matmul_q8(x, weight, scales)
+        return int8_matmul_q8(x, strips, scales, out_features)
+    return kernels().int8_matmul_q8(x, strips, scales, out_features)

@@ -22,14 +22,7 @@
 //   int8:    weights int8 [N, K] row-major, scales float [N]; weight = scale * q.
 //   out      float [M, N]
 //
-// int8 weights x int8 activations (`int8_matmul_q8`, VNNI): each row of x is quantized in blocks of
-// 128 (scale = max|x| / 127, q = round(x / scale)), and each block's dot products run as integer
-// byte dot products (vpdpbusd: 64 multiply-adds per instruction, against 32 for bf16, with no
-// dequantization of the weights: they are fed as they are stored, offset by 128 to be unsigned).
-//   sum_k w_k x_k ~= sum_b s_b (sum_{k in b} (w_k + 128) q_k) - sum_b s_b 128 sum_{k in b} q_k
-// The first sum is exact in int32 per block and scaled into an fp32 accumulator; the second depends
-// on the row alone (computed once per row, in a fixed order). A row's quantization and every
-// instruction computing its outputs are the same whatever the number of rows: batch invariant.
+// int4 and int8 weights x int8 activations (VNNI): q8_matmul.cpp.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -153,16 +146,6 @@ void over_quads(int64_t m, int64_t n, OverQuad over_quad) {
   }
 }
 
-// Within a quad, the rows in tiles of up to 8 (a quad's weights stay in L1 across the tiles).
-// tile(rows, first_row, first_channel) computes out[first_row .. first_row + rows, the quad's channels].
-template <typename Tile>
-void over_tiles(int64_t m, int64_t n, Tile tile) {
-  over_quads(m, n, [&](int64_t row0, int64_t block, int64_t channel) {
-    for (int64_t r = 0; r < block; r += kMaxRows)
-      tile(static_cast<int>(std::min<int64_t>(kMaxRows, block - r)), row0 + r, channel);
-  });
-}
-
 // One quad's weights dequantized to bf16 once, for passes of more than one row tile (prefill, long
 // verifications): each further tile then reads them instead of dequantizing again. The bf16 values
 // are those `Weights::pair` computes on the fly and every (row, channel) still sums its groups in
@@ -218,89 +201,6 @@ torch::Tensor matmul(const Weights& w, const torch::Tensor& x, int64_t n) {
   return out;
 }
 
-// ---- int8 weights x int8 activations (VNNI) -------------------------------------------------
-constexpr int64_t kActBlock = 128;  // activations share a scale per block of this many inputs
-
-// x float [M, K] -> q int8 [M, K], scales float [M, K/128], correction float [M] (see the top).
-void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* scales, float* correction) {
-  const int64_t blocks = k / kActBlock;
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float total = 0.0f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const float* in = x + r * k + b * kActBlock;
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < kActBlock; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(in + i)));
-        const float max_abs = _mm512_reduce_max_ps(amax);
-        const float scale = max_abs / 127.0f;
-        const __m512 inverse = _mm512_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
-        __m512i sum = _mm512_setzero_si512();
-        for (int i = 0; i < kActBlock; i += 16) {
-          __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(in + i), inverse));  // nearest
-          v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-          sum = _mm512_add_epi32(sum, v);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + b * kActBlock + i), _mm512_cvtepi32_epi8(v));
-        }
-        scales[r * blocks + b] = scale;
-        total += scale * (128.0f * static_cast<float>(_mm512_reduce_add_epi32(sum)));
-      }
-      correction[r] = total;
-    }
-  });
-}
-
-// out[r, c] for R rows and C channels from c_first (channels past n computed on n - 1, not written).
-template <int C, int R>
-void tile_q8(const int8_t* w, const float* w_scales, int64_t k, const int8_t* q, const float* q_scales,
-             const float* correction, int64_t c_first, int64_t n, float* out) {
-  const int64_t blocks = k / kActBlock;
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  int64_t channel[C];
-  for (int c = 0; c < C; ++c) channel[c] = std::min(c_first + c, n - 1);
-  __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i w_first[C], w_second[C];
-    for (int c = 0; c < C; ++c) {
-      const int8_t* at = w + channel[c] * k + b * kActBlock;
-      w_first[c] = _mm512_xor_si512(_mm512_loadu_si512(at), offset);  // w + 128 as unsigned bytes
-      w_second[c] = _mm512_xor_si512(_mm512_loadu_si512(at + 64), offset);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i x_first = _mm512_loadu_si512(q + r * k + b * kActBlock);
-      const __m512i x_second = _mm512_loadu_si512(q + r * k + b * kActBlock + 64);
-      const __m512 scale = _mm512_set1_ps(q_scales[r * blocks + b]);
-      for (int c = 0; c < C; ++c) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w_first[c], x_first),
-                                                w_second[c], x_second);
-        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c][r]);
-      }
-    }
-  }
-  for (int c = 0; c < C && c_first + c < n; ++c)
-    for (int r = 0; r < R; ++r)
-      out[r * n + c_first + c] = w_scales[channel[c]] * (_mm512_reduce_add_ps(acc[c][r]) - correction[r]);
-}
-
-void quad_q8(int rows, const int8_t* w, const float* w_scales, int64_t k, const int8_t* q, const float* q_scales,
-             const float* correction, int64_t c_first, int64_t n, float* out) {
-  switch (rows) {
-    case 1: return tile_q8<4, 1>(w, w_scales, k, q, q_scales, correction, c_first, n, out);
-    case 2: return tile_q8<4, 2>(w, w_scales, k, q, q_scales, correction, c_first, n, out);
-    case 3: return tile_q8<4, 3>(w, w_scales, k, q, q_scales, correction, c_first, n, out);
-    case 4: return tile_q8<4, 4>(w, w_scales, k, q, q_scales, correction, c_first, n, out);
-  }
-  for (int64_t c = c_first; c < std::min(c_first + 4, n); c += 2) {
-    switch (rows) {
-      case 5: tile_q8<2, 5>(w, w_scales, k, q, q_scales, correction, c, n, out); break;
-      case 6: tile_q8<2, 6>(w, w_scales, k, q, q_scales, correction, c, n, out); break;
-      case 7: tile_q8<2, 7>(w, w_scales, k, q, q_scales, correction, c, n, out); break;
-      default: tile_q8<2, 8>(w, w_scales, k, q, q_scales, correction, c, n, out); break;
-    }
-  }
-}
-
 void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bf16 [M, K] tensor");
@@ -332,38 +232,13 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor weights, torch::Tensor 
   return matmul(w, x, n);
 }
 
-torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor weights, torch::Tensor scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
-  const int64_t m = x.size(0), k = x.size(1), n = weights.size(0);
-  TORCH_CHECK(k % kActBlock == 0, "K must be a multiple of ", kActBlock, ", got ", k);
-  TORCH_CHECK(weights.scalar_type() == torch::kInt8 && weights.is_contiguous() && weights.size(1) == k,
-              "weights must be contiguous int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == n,
-              "scales must be contiguous float32 [N]");
-  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
-  auto q_scales = torch::empty({m, k / kActBlock}, x.options());
-  auto correction = torch::empty({m}, x.options());
-  quantize_rows(x.data_ptr<float>(), m, k, q.data_ptr<int8_t>(), q_scales.data_ptr<float>(), correction.data_ptr<float>());
-  auto out = torch::empty({m, n}, x.options());
-  const int8_t* w = weights.data_ptr<int8_t>();
-  const float* ws = scales.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* qs = q_scales.data_ptr<float>();
-  const float* cp = correction.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t blocks = k / kActBlock;
-  over_tiles(m, n, [&](int rows, int64_t row, int64_t channel) {
-    quad_q8(rows, w, ws, k, qp + row * k, qs + row * blocks, cp + row, channel, n, op + row * n);
-  });
-  return out;
-}
-
-torch::Tensor int4_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n);  // int4_q8_matmul.cpp
+// q8_matmul.cpp
+torch::Tensor int4_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n);
+torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "x bf16 [M, K] @ int4 weights [N, K]^T -> float [M, N]");
   m.def("int8_matmul", &int8_matmul, "x bf16 [M, K] @ int8 weights [N, K]^T -> float [M, N]");
   m.def("int4_matmul_q8", &int4_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ int4 weights in strips -> float [M, N]");
-  m.def("int8_matmul_q8", &int8_matmul_q8, "x float [M, K], quantized to int8 per block of 128, @ int8 weights [N, K]^T -> float [M, N]");
+  m.def("int8_matmul_q8", &int8_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ int8 weights in strips -> float [M, N]");
 }

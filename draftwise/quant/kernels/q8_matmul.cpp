@@ -1,0 +1,259 @@
+// int4 and int8 weights x int8 activations with VNNI byte dot products: the quantized layers'
+// compute-bound path (verification and prefill), where a bf16 kernel is held to one bf16 dot
+// product per 2 weights and, for int4, to dequantizing every weight first.
+//
+// Activations. Each row of x is quantized in groups of 32 inputs: a[r,g] = max|x| / 127,
+// p = round(x / a) in -127..127; sum_k p_k per group is kept (as offset[r,g] = a[r,g] sum_k p_k).
+//
+// int4 weights. A group g of 32 inputs of channel c holds w = s[c,g] q - m[c,g], q in 0..15 (GGUF
+// Q4_K's own sub-blocks). Exactly in the algebra,
+//   sum_{k in g} w_k x_k ~= a[r,g] (s[c,g] sum_k q_k p_k - m[c,g] sum_k p_k)
+// The inner sum is an exact int32 (32 products of at most 15 * 127) from eight vpdpbusd, which take
+// unsigned bytes (q) times signed bytes (p): no dequantization of the weights.
+//
+// int8 weights. w = s[c] v, v in -127..127, stored as v + 128 (unsigned for vpdpbusd); then
+//   sum_k w_k x_k ~= s[c] (sum_g a[r,g] sum_{k in g} (v_k + 128) p_k - 128 sum_g offset[r,g])
+// the last sum depending on the row alone (its `correction`, summed once per row in a fixed order).
+//
+// Lanes are channels. One vpdpbusd multiplies 4 consecutive inputs of 16 channels (64 weight bytes)
+// by the same 4 activation bytes broadcast to every lane, so a row's work per group of 16 channels is
+// eight dot products plus two to four float operations, with nothing to reduce across lanes at the
+// end (a kernel whose lanes are inputs needs a scaled add per group and channel, then a horizontal sum).
+//
+// Layouts ("strips" of 16 channels, N padded to a multiple of 16, K a multiple of 32), one stream each:
+//   int4: uint8 [N/16, K/32, 320]: per strip and group, 4 x 64 bytes of nibbles, then fp16 scales
+//         [16] and fp16 minimums [16]. Nibble byte (t, c, j), t < 4, c < 16, j < 4, at 64 t + 4 c + j:
+//         its low nibble is q[c, 4t + j], its high nibble q[c, 16 + 4t + j] (inputs of the group).
+//   int8: uint8 [N/16, K/32, 512]: byte (h, t, c, j) at 256 h + 64 t + 4 c + j holds v[c, 16h + 4t + j]
+//         + 128; the channel scales float [N] apart.
+//
+// Batch invariance: a row's quantization and every instruction computing its outputs (the groups in
+// order, the same float operations) are the same whatever the number of rows or the tile it lands in.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kStrip = 16;                    // channels per strip: one int32 lane each
+constexpr int64_t kRowBlock = 64;
+#ifndef PREFETCH_GROUPS
+#define PREFETCH_GROUPS 16
+#endif
+constexpr int64_t kPrefetchGroups = PREFETCH_GROUPS;
+
+// x float [M, K] -> p int8 [M, K]; scale a float [M, K/32]; offset float [M, K/32] = a * sum(p).
+void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* scale, float* offset) {
+  const int64_t groups = k / kGroup;
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* in = x + r * k + g * kGroup;
+        const __m512 first = _mm512_loadu_ps(in), second = _mm512_loadu_ps(in + 16);
+        const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(second)));
+        const __m512 inverse = _mm512_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+        const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(first, inverse));  // nearest, |.| <= 127
+        const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(second, inverse));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + r * k + g * kGroup), _mm512_cvtepi32_epi8(low));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + r * k + g * kGroup + 16), _mm512_cvtepi32_epi8(high));
+        const float a = max_abs / 127.0f;
+        scale[r * groups + g] = a;
+        offset[r * groups + g] = a * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(low, high)));
+      }
+    }
+  });
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return _mm512_set1_epi32(word);
+}
+
+// One strip's weights group by group. `load` gives the step-t weight bytes of the group's inputs
+// 4t + j (first) and 16 + 4t + j (second); `accumulate` scales the group's integer dot products in.
+struct Int4Strips {
+  static constexpr int64_t kGroupBytes = 4 * 64 + 2 * 32;  // nibbles, then fp16 scales and minimums
+  const uint8_t* packed;
+  __m512 scales, minimums;
+  void start(const uint8_t* block) {
+    scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
+    minimums = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 288)));
+  }
+  static void load(const uint8_t* block, int t, __m512i& first, __m512i& second) {
+    const __m512i bytes = _mm512_loadu_si512(block + 64 * t), low_nibbles = _mm512_set1_epi8(0x0F);
+    first = _mm512_and_si512(bytes, low_nibbles);
+    second = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+  }
+  __m512 accumulate(__m512 acc, __m512i dot, __m512 row_scale, __m512 row_offset) const {
+    const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scales);  // s * sum q p
+    return _mm512_fnmadd_ps(minimums, row_offset, _mm512_fmadd_ps(scaled, row_scale, acc));
+  }
+  __m512 finish(int64_t, __m512 acc, float) const { return acc; }
+};
+
+struct Int8Strips {
+  static constexpr int64_t kGroupBytes = 512;
+  const uint8_t* packed;
+  const float* channel_scales;  // [N padded to 16]
+  void start(const uint8_t*) {}
+  static void load(const uint8_t* block, int t, __m512i& first, __m512i& second) {
+    first = _mm512_loadu_si512(block + 64 * t);
+    second = _mm512_loadu_si512(block + 256 + 64 * t);
+  }
+  __m512 accumulate(__m512 acc, __m512i dot, __m512 row_scale, __m512) const {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, acc);
+  }
+  __m512 finish(int64_t first_channel, __m512 acc, float correction) const {
+    return _mm512_mul_ps(_mm512_loadu_ps(channel_scales + first_channel), _mm512_sub_ps(acc, _mm512_set1_ps(correction)));
+  }
+};
+
+struct Rows {  // the quantized activations of a tile's first row
+  const int8_t* p;
+  const float* a;
+  const float* offset;
+  const float* correction;  // int8 weights only
+  int64_t k, groups;
+};
+
+// out[r, 16 S channels from strip0] for R rows: S strips side by side share each activation broadcast.
+template <typename Format, int S, int R>
+void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out) {
+  constexpr int64_t bytes = Format::kGroupBytes;
+  const int64_t groups = x.groups;
+  __m512 acc[S][R];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  Format format[S];
+  for (int s = 0; s < S; ++s) format[s] = w;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block[S];
+    for (int s = 0; s < S; ++s) {
+      block[s] = w.packed + ((strip0 + s) * groups + g) * bytes;
+      format[s].start(block[s]);
+      for (int64_t line = 0; line < bytes; line += 64)  // the stream ahead: loads then overlap the compute
+        _mm_prefetch(reinterpret_cast<const char*>(block[s] + kPrefetchGroups * bytes + line), _MM_HINT_T0);
+    }
+    __m512i dot[S][R];
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) dot[s][r] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      __m512i first[S], second[S];  // weights of inputs 4t + j and 16 + 4t + j, 16 channels
+      for (int s = 0; s < S; ++s) Format::load(block[s], t, first[s], second[s]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* row = x.p + r * x.k + g * kGroup;
+        const __m512i x_first = broadcast4(row + 4 * t), x_second = broadcast4(row + 16 + 4 * t);
+        for (int s = 0; s < S; ++s)
+          dot[s][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[s][r], first[s], x_first), second[s], x_second);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 row_scale = _mm512_set1_ps(x.a[r * groups + g]);
+      const __m512 row_offset = _mm512_set1_ps(x.offset[r * groups + g]);
+      for (int s = 0; s < S; ++s) acc[s][r] = format[s].accumulate(acc[s][r], dot[s][r], row_scale, row_offset);
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    const int64_t first = (strip0 + s) * kStrip;
+    if (first >= n) break;
+    const __mmask16 mask = first + kStrip <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - first)) - 1);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + r * n + first, mask, w.finish(first, acc[s][r], x.correction ? x.correction[r] : 0.0f));
+  }
+}
+
+// One tile of rows over strips [strip0, strip_end): 1-2 rows four strips at a time (enough
+// independent dot-product chains at one row), 3-4 rows two at a time, 5-8 rows one at a time
+// (registers: S * R int32 and as many fp32 accumulators).
+template <typename Format>
+void rows_over_strips(int rows, const Format& w, const Rows& x, int64_t strip0, int64_t strip_end, int64_t n,
+                      float* out) {
+  for (int64_t s = strip0; s < strip_end;) {
+    const int64_t left = strip_end - s;
+    const int width = rows <= 2 && left >= 4 ? 4 : rows <= 4 && left >= 2 ? 2 : 1;
+    switch (width * 16 + rows) {
+      case 4 * 16 + 1: tile<Format, 4, 1>(w, x, s, n, out); break;
+      case 4 * 16 + 2: tile<Format, 4, 2>(w, x, s, n, out); break;
+      case 2 * 16 + 1: tile<Format, 2, 1>(w, x, s, n, out); break;
+      case 2 * 16 + 2: tile<Format, 2, 2>(w, x, s, n, out); break;
+      case 2 * 16 + 3: tile<Format, 2, 3>(w, x, s, n, out); break;
+      case 2 * 16 + 4: tile<Format, 2, 4>(w, x, s, n, out); break;
+      case 1 * 16 + 1: tile<Format, 1, 1>(w, x, s, n, out); break;
+      case 1 * 16 + 2: tile<Format, 1, 2>(w, x, s, n, out); break;
+      case 1 * 16 + 3: tile<Format, 1, 3>(w, x, s, n, out); break;
+      case 1 * 16 + 4: tile<Format, 1, 4>(w, x, s, n, out); break;
+      case 1 * 16 + 5: tile<Format, 1, 5>(w, x, s, n, out); break;
+      case 1 * 16 + 6: tile<Format, 1, 6>(w, x, s, n, out); break;
+      case 1 * 16 + 7: tile<Format, 1, 7>(w, x, s, n, out); break;
+      default: tile<Format, 1, 8>(w, x, s, n, out); break;
+    }
+    s += width;
+  }
+}
+
+// x float [M, K] quantized, then every tile of rows over every strip: strips split across threads
+// in chunks of four, within a chunk every tile of rows (the chunk's weights stay in cache across
+// the tiles); large M in blocks of rows so x stays in cache too.
+template <typename Format>
+torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_correction) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, strip_count = (n + kStrip - 1) / kStrip;
+  auto p = torch::empty({m, k}, x.options().dtype(torch::kInt8));
+  auto a = torch::empty({m, groups}, x.options());
+  auto offset = torch::empty({m, groups}, x.options());
+  quantize_groups(x.data_ptr<float>(), m, k, p.data_ptr<int8_t>(), a.data_ptr<float>(), offset.data_ptr<float>());
+  std::vector<float> correction(with_correction ? m : 0);
+  for (int64_t r = 0; r < static_cast<int64_t>(correction.size()); ++r) {
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) total += 128.0f * offset.data_ptr<float>()[r * groups + g];
+    correction[r] = total;
+  }
+  auto out = torch::empty({m, n}, x.options());
+  float* outp = out.data_ptr<float>();
+  constexpr int64_t kTileRows = 8, kChunk = 4;
+  for (int64_t row0 = 0; row0 < m; row0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, m - row0);
+    const int64_t chunks = (strip_count + kChunk - 1) / kChunk;
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t first = chunk * kChunk, last = std::min(first + kChunk, strip_count);
+        for (int64_t r = 0; r < block; r += kTileRows) {
+          const int64_t row = row0 + r;
+          const Rows rows{p.data_ptr<int8_t>() + row * k, a.data_ptr<float>() + row * groups,
+                          offset.data_ptr<float>() + row * groups, with_correction ? correction.data() + row : nullptr,
+                          k, groups};
+          rows_over_strips(static_cast<int>(std::min(kTileRows, block - r)), w, rows, first, last, n, outp + row * n);
+        }
+      }
+    });
+  }
+  return out;
+}
+
+void check_q8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t group_bytes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", x.size(1));
+  const int64_t strip_count = (n + kStrip - 1) / kStrip;
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+              packed.numel() == strip_count * (x.size(1) / kGroup) * group_bytes,
+              "packed must be contiguous uint8 [N/16, K/32, ", group_bytes, "]");
+}
+
+}  // namespace
+
+torch::Tensor int4_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  check_q8(x, packed, n, Int4Strips::kGroupBytes);
+  return matmul_q8(x, Int4Strips{packed.data_ptr<uint8_t>(), {}, {}}, n, false);
+}
+
+torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n) {
+  check_q8(x, packed, n, Int8Strips::kGroupBytes);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == (n + kStrip - 1) / kStrip * kStrip,
+              "scales must be contiguous float32 [N padded to a multiple of 16]");
+  return matmul_q8(x, Int8Strips{packed.data_ptr<uint8_t>(), scales.data_ptr<float>()}, n, true);
+}
