@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftwise.model import triton_rmsnorm
+from draftwise.model import native_layer_ops, triton_rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +18,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton_rmsnorm.available() and self.weight.dtype == x.dtype:
             return triton_rmsnorm.rms_norm(x, self.weight, self.eps)  # batch-invariant on the GPU
+        if native_layer_ops.usable(x) and self.weight.dtype == x.dtype:  # one call on the CPU
+            flat = x.reshape(-1, x.shape[-1]).contiguous()  # [N, H]
+            return native_layer_ops.layer_ops().rms_norm(flat, self.weight.detach(), self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -36,6 +39,8 @@ def rotary_cos_sin(
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, S, D] by the position angles."""
+    if native_layer_ops.usable(x) and cos.dtype == x.dtype:
+        return native_layer_ops.layer_ops().apply_rotary(x, cos, sin)  # [B, H, S, D] contiguous
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -51,5 +56,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [..., 2I]
+        if native_layer_ops.usable(gate_up):
+            flat = gate_up.reshape(-1, 2 * self.intermediate_size).contiguous()  # [N, 2I]
+            hidden = native_layer_ops.layer_ops().silu_mul(flat).view(*gate_up.shape[:-1], self.intermediate_size)
+            return self.down_proj(hidden)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
