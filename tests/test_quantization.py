@@ -220,3 +220,51 @@ def test_native_kernel_is_exact_up_to_float32_accumulation(kind, monkeypatch):
     x = torch.randn(11, 256).to(torch.bfloat16)
     expected = x.double() @ layer.dequantized().double().t()
     assert (layer(x.float()).double() - expected).abs().max() < 1e-5 * expected.abs().max()
+
+
+def test_a_q4k_embedding_table_stays_int4_and_looks_up_exactly_the_files_values(mixed_q4k_model):
+    from draftwise.model.memory import module_bytes
+    from draftwise.quant.embedding import Int4Embedding
+
+    reference = load_model(mixed_q4k_model, quantization="none", pack_cpu_weights=False)
+    ids = torch.tensor([[0, 5, 17], [99, 3, 3]])
+    for attempt in ("quantized now", "from the packed cache"):
+        model = load_model(mixed_q4k_model, quantization="int4")
+        assert isinstance(model.embed_tokens, Int4Embedding), attempt
+        assert model.quantization.embedding == "int4 from the file's Q4_K"
+        assert torch.equal(model.embed_tokens(ids), reference.embed_tokens(ids)), attempt
+        assert torch.equal(model.embed_tokens.dequantized(), reference.embed_tokens.weight)
+        assert module_bytes(model.embed_tokens) < reference.embed_tokens.weight.numel() * 4 / 5
+    assert not isinstance(load_model(mixed_q4k_model, quantization="int8").embed_tokens, Int4Embedding)
+
+
+def test_int4_all_quantizes_an_embedding_table_the_file_keeps_in_another_quantized_type(tmp_path, monkeypatch):
+    from draftwise.loading.resolve import resolve_model
+    from draftwise.quant.embedding import Int4Embedding
+    from tests.tiny_models import write_tiny_gguf, write_tiny_model
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(tmp_path / "cache"))
+    hf_folder = write_tiny_model(tmp_path / "wide", "qwen2", seed=3, hidden_size=256)
+    folder = resolve_model(str(write_tiny_gguf(hf_folder, tmp_path / "q8.gguf", quantize_q8=True)), progress=False)
+    int4 = load_model(folder, quantization="int4")
+    assert int4.quantization.embedding == "float" and not isinstance(int4.embed_tokens, Int4Embedding)
+    everything = load_model(folder, quantization="int4_all")
+    assert everything.quantization.embedding == "int4 quantized here"
+    table = load_model(folder, quantization="none", pack_cpu_weights=False).embed_tokens.weight
+    assert (everything.embed_tokens.dequantized() - table).abs().max() < 0.1 * table.abs().max()
+    float_folder = write_tiny_model(tmp_path / "float", "qwen2", seed=3, hidden_size=256)
+    assert load_model(float_folder, quantization="int4_all").quantization.embedding == "float"
+
+
+def test_a_new_kernel_build_removes_the_packed_caches_of_earlier_ones(mixed_q4k_model):
+    from draftwise.quant.packed_cache import cache_path
+
+    path = cache_path(mixed_q4k_model, "int4")
+    if native_kernels() is None:
+        pytest.skip("only native kernel builds have earlier builds to remove")
+    stale = path.with_name("packed-int4-native000000000000-torch0-cpu-f1.safetensors")
+    other_mode = path.with_name("packed-int8-native000000000000-torch0-cpu-f1.safetensors")
+    stale.write_bytes(b"x")
+    other_mode.write_bytes(b"x")
+    load_model(mixed_q4k_model, quantization="int4")
+    assert path.is_file() and not stale.exists() and other_mode.exists()

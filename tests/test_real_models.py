@@ -52,8 +52,11 @@ def test_real_chat_template_and_eos(target):
 
 
 def test_real_llama_architecture_smollm2():
-    """SmolLM2's GGUF is `llama` architecture: Q/K rows are permuted by llama.cpp and must be undone."""
-    llm = LLM("smollm2-135m", max_model_len=256, max_num_seqs=1)
+    """SmolLM2's GGUF is `llama` architecture: Q/K rows are permuted by llama.cpp and must be undone.
+    In fp32: its Q4_1 tensors re-quantized to int8 with int8 activations keep 88-91% of the top-1
+    tokens (relative logit error 1.6-1.9%, whichever kernels), and this 135M model's greedy answer to
+    the question flips with noise of that size, which says nothing about the architecture."""
+    llm = LLM("smollm2-135m", max_model_len=256, max_num_seqs=1, quantization="none")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20))[0]
     assert "Paris" in out.text, out.text

@@ -28,7 +28,7 @@ def module_bytes(model: torch.nn.Module) -> int:
 def bytes_read_per_step(model: torch.nn.Module) -> int:
     """Bytes a decoding step reads: every tensor but the embedding table, of which it reads one row
     per token (unless the LM head is that same table, as in tied models computed in full precision)."""
-    embedding = model.embed_tokens.weight
-    head = getattr(model.lm_head, "weight", None)
-    unread = 0 if head is embedding else embedding.numel() * embedding.element_size()
-    return module_bytes(model) - unread
+    embedding = getattr(model.embed_tokens, "weight", None)
+    if embedding is not None and getattr(model.lm_head, "weight", None) is embedding:
+        return module_bytes(model)
+    return module_bytes(model) - module_bytes(model.embed_tokens)

@@ -8,7 +8,9 @@ Policy for `int4`, per linear layer (fused q/k/v and gate/up count as one):
 wider ones quantized here; faster (about 0.55x the step time of `int4` for the 0.5B, whose GGUF is
 mostly Q5_0/Q8_0) and a little less accurate. It is what `auto` picks for a draft model, whose
 accuracy only moves the acceptance rate, never the output.
-`int8` puts every linear layer in int8 per channel. The token embedding stays float (a lookup).
+`int8` puts every linear layer in int8 per channel. The token embedding: int4 from the file where it is
+stored as Q4_K (exact, a sixth of the float table's memory), int4 quantized here under `int4_all`,
+float otherwise (`quant/embedding.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from draftwise.errors import InvalidParameterError
 from draftwise.model.config import ModelConfig
+from draftwise.quant.embedding import Int4Embedding
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
 
 QUANTIZATIONS = ("auto", "int4", "int4_all", "int8", "none")
@@ -35,10 +38,11 @@ class QuantizationReport:
     int4_from_file: list[str] = field(default_factory=list)  # layers using the GGUF's own Q4_K groups
     int4_quantized: list[str] = field(default_factory=list)  # layers quantized to int4 here
     int8: list[str] = field(default_factory=list)
+    embedding: str = "float"  # "float", "int4 from the file's Q4_K" or "int4 quantized here"
 
     def summary(self) -> str:
         return (f"{self.mode}: {len(self.int4_from_file)} layers int4 from the file's Q4_K, "
-                f"{len(self.int4_quantized)} int4 quantized here, {len(self.int8)} int8")
+                f"{len(self.int4_quantized)} int4 quantized here, {len(self.int8)} int8; embedding {self.embedding}")
 
 
 def check_quantization(mode: str) -> str:
@@ -115,4 +119,18 @@ def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> Quantiza
             replacement = Int4Linear(*(torch.cat(tensors) for tensors in zip(*parts)), bias)
             (report.int4_from_file if from_file else report.int4_quantized).append(path)
         setattr(parent, attribute, replacement)
+    _quantize_embedding(model, mode, groups, types, report)
     return report
+
+
+def _quantize_embedding(model: nn.Module, mode: str, groups: dict, types: dict, report: QuantizationReport) -> None:
+    """int4 modes keep a Q4_K embedding table as its own groups (exact); `int4_all` quantizes a table
+    the file stores in another quantized type to int4 too; a float table stays float (so that a model
+    drafting for itself looks up the same rows as itself as target)."""
+    name = "embed_tokens.weight"
+    if mode.startswith("int4") and name in groups:
+        model.embed_tokens = Int4Embedding(*groups[name])
+        report.embedding = "int4 from the file's Q4_K"
+    elif mode == "int4_all" and types.get(name) not in _FLOAT_TYPES:
+        model.embed_tokens = Int4Embedding(*quantize_int4_groups(model.embed_tokens.weight.detach()))
+        report.embedding = "int4 quantized here"

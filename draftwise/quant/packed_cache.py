@@ -7,8 +7,9 @@ them (about 1 GB for the 1.5B in int4) and take only the norms and the embedding
 
 The packed int4 layout belongs to the kernel path (native or PyTorch's), the PyTorch build and the
 CPU's kernel capability, so all three are part of the file name; a cache written elsewhere is simply
-not found. A damaged cache file is
-ignored and rewritten.
+not found, and writing one removes those earlier native kernel builds left for the same mode. A
+damaged cache file is ignored and rewritten. An int4 embedding table (`embedding.py`) is cached with
+the layers.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draftwise.quant.apply import QuantizationReport, linear_sources
+from draftwise.quant.embedding import Int4Embedding
 from draftwise.quant.linear import Int4Linear, Int8Linear
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.native import source_digest
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
+EMBEDDING = "embed_tokens"
 
 
 def cache_path(folder: Path, mode: str) -> Path:
@@ -46,6 +49,9 @@ def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> Non
             tensors[f"{name}.{key}"] = tensor.contiguous()
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.contiguous()
+    if isinstance(model.embed_tokens, Int4Embedding):
+        for key, tensor in model.embed_tokens.packed_state().items():
+            tensors[f"{EMBEDDING}.{key}"] = tensor.contiguous()
     metadata = {"report": json.dumps(asdict(report)), "format": str(CACHE_FORMAT)}
     partial = path.with_suffix(".partial")
     try:
@@ -53,6 +59,19 @@ def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> Non
         partial.replace(path)
     except OSError:
         partial.unlink(missing_ok=True)
+        return
+    _remove_stale(path)
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove the caches earlier native kernel builds wrote for the same mode beside `path` (each is as
+    large as the quantized weights, and no build reads another's)."""
+    mode = path.name.split("-")[1]
+    if "-native" not in path.name:
+        return
+    for other in path.parent.glob(f"packed-{mode}-native*.safetensors"):
+        if other.name != path.name:
+            other.unlink(missing_ok=True)
 
 
 def load_packed(path: Path, model: nn.Module) -> QuantizationReport | None:
@@ -76,6 +95,9 @@ def load_packed(path: Path, model: nn.Module) -> QuantizationReport | None:
                 bias = state.pop("bias", None)
                 kind = Int8Linear if name in report.int8 else Int4Linear
                 layers[name] = kind.from_packed(state, bias)
+            embedding = {key.removeprefix(f"{EMBEDDING}."): tensor(key) for key in keys if key.startswith(f"{EMBEDDING}.")}
+            if embedding:
+                layers[EMBEDDING] = Int4Embedding.from_packed(embedding)
     except (SafetensorError, OSError, KeyError, ValueError, TypeError):
         return None
     for name, layer in layers.items():

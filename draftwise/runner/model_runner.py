@@ -43,8 +43,8 @@ class ModelRunner:
         `row_buckets` and `token_buckets` for it."""
         self.model = model
         config = model.config
-        self.device = model.embed_tokens.weight.device
-        self.dtype = model.embed_tokens.weight.dtype
+        self.device = model.norm.weight.device
+        self.dtype = model.norm.weight.dtype
         self.vocab_size = config.vocab_size
         self.max_len = max_len
         if num_blocks is None:
@@ -61,7 +61,7 @@ class ModelRunner:
     def kv_bytes_per_token(model: Transformer) -> int:
         config = model.config
         return KVCache.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
-                                       model.embed_tokens.weight.dtype)
+                                       model.norm.weight.dtype)
 
     # --- sequences ----------------------------------------------------------------------------
     def allocate(self) -> int:

@@ -100,7 +100,7 @@ def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
     elif mode == "int8":
         head = Int8Linear(weight, None)
     else:
-        weight = weight.to(model.embed_tokens.weight.dtype)
+        weight = weight.to(model.norm.weight.dtype)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         head.weight = nn.Parameter(weight, requires_grad=False)
     model.lm_head = TrimmedLMHead(head, kept_ids.to(weight.device), model.config.vocab_size)
@@ -108,6 +108,7 @@ def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
 
 def _head_weight(model: nn.Module) -> torch.Tensor:
     if model.config.tie_word_embeddings:
-        return model.embed_tokens.weight
+        table = model.embed_tokens
+        return table.weight if isinstance(table, nn.Embedding) else table.dequantized()
     head = model.lm_head
     return head.weight if isinstance(head, nn.Linear) else head.dequantized()
