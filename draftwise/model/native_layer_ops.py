@@ -20,6 +20,11 @@ COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mfma", "-ffp-contract=off"]
 REQUIRED_CPU_FLAGS = ("avx512f", "fma")
 
 
+def source_digest() -> str:
+    """Names a build (cost profiles measured with one are not another's)."""
+    return native.source_digest([SOURCE], COMPILE_FLAGS)
+
+
 @cache
 def layer_ops():
     """The compiled extension (rms_norm, apply_rotary, silu_mul), or None where it cannot be had."""

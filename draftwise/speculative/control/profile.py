@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from draftwise.speculative.control.cost_model import CostModel
+from draftwise.model import native_layer_ops
 from draftwise.paths import cache_root
 from draftwise.quant.activation_choice import ACTIVATIONS_ENV
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.native import source_digest
+from draftwise.speculative.control.cost_model import CostModel
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.proposer import Proposer
@@ -62,6 +63,8 @@ def profile_path(key: str) -> Path:
 
 def configuration_key(*parts: object) -> str:
     kernels = f"native-{source_digest()}" if native_kernels() is not None else "aten"
+    if native_layer_ops.layer_ops() is not None:
+        kernels += f", layer ops {native_layer_ops.source_digest()}"
     if os.environ.get(ACTIVATIONS_ENV) == "0":
         kernels += ", bf16 activations"
     return " | ".join(str(part) for part in (*parts, f"threads={torch.get_num_threads()}",
