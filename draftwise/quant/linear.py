@@ -14,11 +14,10 @@ PyTorch's kernels cost 0.38 ms per row in bf16 but 11.8 ms (int4) / 5.7 ms (int8
 activations (a generic path). So activations are rounded to bf16 on the way in and the output
 returns in the caller's dtype. Both paths compute every row the same way whatever the number of rows.
 
-Both kinds may instead quantize their activations to int8 (int8 layers per block of 128, int4 layers
-per group of 32) and multiply with VNNI byte dot products (`int8_matmul_q8`, `int4_matmul_q8`, the
-latter with its weights in strips of 16 channels: `pack_strips`), where that measured faster on this
-machine for the layer's shape (`activation_choice`; one kernel per layer for every pass, so that rows
-stay independent).
+Both kinds may instead quantize their activations to int8 per group of 32 inputs and multiply
+with VNNI byte dot products (`int4_matmul_q8`, `int8_matmul_q8`; weights in strips of 16 channels:
+`pack_strips`, `pack_int8_strips`), where that measured faster on this machine for the layer's
+shape (`activation_choice`; one kernel per layer for every pass, so that rows stay independent).
 """
 
 from __future__ import annotations

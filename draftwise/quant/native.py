@@ -1,5 +1,5 @@
-"""The native low-bit matmul kernels (kernels/lowbit_matmul.cpp), compiled on first use
-(`draftwise/native.py`).
+"""The native low-bit matmul kernels (kernels/lowbit_matmul.cpp: bf16 activations; kernels/q8_matmul.cpp:
+int8 activations), compiled on first use (`draftwise/native.py`).
 
 The kernels need AVX-512 with BF16 and VNNI dot products (every CPU with the first has the second)
 and a C++ compiler. Where any of that is missing, `kernels()` returns None and the quantized layers
