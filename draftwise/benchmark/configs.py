@@ -94,7 +94,7 @@ class LLMRecipe:
     max_num_seqs: int = 1
     max_model_len: int = 4096
     native_kernels: bool = True  # False: quantized layers on PyTorch's packed kernels
-    int8_activations: bool = True  # False: int8 layers keep bf16 activations (else as measured here)
+    int8_activations: bool = True  # False: quantized layers keep bf16 activations (else as measured here)
 
     def build(self):
         from draftwise.llm import LLM

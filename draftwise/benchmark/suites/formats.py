@@ -1,7 +1,7 @@
 """What the plain and quantization suites share: weight formats as configs, and their speed tables.
 
 A format is written `FORMAT` (one of `draftwise.quant.apply.QUANTIZATIONS`; quantized layers on
-draftwise's native low-bit kernels where this CPU has them, int8 layers with int8 activations where
+draftwise's native low-bit kernels where this CPU has them, int8 activations where
 that measured faster here), `FORMAT:bf16` (the native kernels, activations always bf16) or
 `FORMAT:pytorch` (PyTorch's packed kernels). The first format is the baseline (speedups are over it; outputs are compared with its) and
 its control is the first format again, built and run exactly like it. Plain decoding, greedy, batch 1,
