@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and triton_rmsnorm.available() and self.weight.dtype == x.dtype:
             return triton_rmsnorm.rms_norm(x, self.weight, self.eps)  # batch-invariant on the GPU
-        if native_layer_ops.usable(x) and self.weight.dtype == x.dtype:  # one call on the CPU
+        if native_layer_ops.usable(x) and self.weight.dtype == x.dtype and x.shape[-1] % 16 == 0:  # one call on the CPU
             flat = x.reshape(-1, x.shape[-1]).contiguous()  # [N, H]
             return native_layer_ops.layer_ops().rms_norm(flat, self.weight.detach(), self.eps).view(x.shape)
         x32 = x.float()
@@ -39,7 +39,7 @@ def rotary_cos_sin(
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, S, D] by the position angles."""
-    if native_layer_ops.usable(x) and cos.dtype == x.dtype:
+    if native_layer_ops.usable(x) and cos.dtype == x.dtype and x.stride(-1) == 1:
         return native_layer_ops.layer_ops().apply_rotary(x, cos, sin)  # [B, H, S, D] contiguous
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

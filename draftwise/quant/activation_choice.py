@@ -79,7 +79,7 @@ def _read(path: Path) -> dict:
 def measure(kind: str, out_features: int, in_features: int) -> dict:
     """Both kernels on random weights of this kind and shape at 1 and VERIFY_ROWS rows: the fastest
     of a few runs each (ms), and the choice."""
-    from draftwise.quant.linear import pack_for_native, pack_int8_strips, pack_strips
+    from draftwise.quant.linear import STRIP, pack_for_native, pack_int8_strips, pack_strips
 
     native = kernels()
     generator = torch.Generator().manual_seed(0)
@@ -87,7 +87,7 @@ def measure(kind: str, out_features: int, in_features: int) -> dict:
         weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
         scales = torch.rand(out_features, generator=generator) * 1e-2
         with_bf16 = lambda x: native.int8_matmul(x.to(torch.bfloat16), weight, scales)  # noqa: E731
-        strips, padded_scales = pack_int8_strips(weight), torch.nn.functional.pad(scales, (0, -out_features % 16))
+        strips, padded_scales = pack_int8_strips(weight), torch.nn.functional.pad(scales, (0, -out_features % STRIP))
         with_int8 = lambda x: native.int8_matmul_q8(x, strips, padded_scales, out_features)  # noqa: E731
     else:
         quants = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)

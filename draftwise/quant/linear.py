@@ -59,29 +59,26 @@ class Int4Linear(nn.Module):
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int4Linear":
         """Rebuild a layer from `packed_state()` (the packed-weight cache), without repacking where the
         cached layout is the one this machine's kernel choice takes."""
-        if "strips" in state or "nibbles" in state:
-            if native_kernels() is None:
-                raise ValueError("packed for the native kernels, which are not available")
-            n, k = (int(v) for v in state["shape"])
-            wanted = "strips" if int8_activations("int4", n, k) else "nibbles"
-            if wanted not in state:  # the choice was measured again since: same weights, the other layout
-                return cls(*_unpacked(state, n, k), bias)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.bias = bias
-        if "strips" in state or "nibbles" in state:
-            layer.kernels = native_kernels()
-            layer.out_features, layer.in_features = (int(v) for v in state["shape"])
-            layer.int8_activations = "strips" in state
-            if layer.int8_activations:
-                layer.strips = state["strips"]
-            else:
-                layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
+        if "packed_weight" in state:  # PyTorch's kernel
+            layer.kernels, layer.int8_activations = None, False
+            layer.packed_weight, layer.scales_and_zeros = state["packed_weight"], state["scales_and_zeros"]
+            layer.in_features = layer.scales_and_zeros.shape[0] * INT4_GROUP
+            layer.out_features = layer.scales_and_zeros.shape[1]
             return layer
-        layer.kernels, layer.int8_activations = None, False
-        layer.packed_weight, layer.scales_and_zeros = state["packed_weight"], state["scales_and_zeros"]
-        layer.in_features = layer.scales_and_zeros.shape[0] * INT4_GROUP
-        layer.out_features = layer.scales_and_zeros.shape[1]
+        if native_kernels() is None:
+            raise ValueError("packed for the native kernels, which are not available")
+        n, k = (int(v) for v in state["shape"])
+        if int8_activations("int4", n, k) != ("strips" in state):  # measured again since: the other layout
+            return cls(*_unpacked(state, n, k), bias)
+        layer.kernels, layer.out_features, layer.in_features = native_kernels(), n, k
+        layer.int8_activations = "strips" in state
+        if layer.int8_activations:
+            layer.strips = state["strips"]
+        else:
+            layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:
@@ -141,16 +138,19 @@ class Int8Linear(nn.Module):
         self.bias = bias
         self._use_kernels(native)
 
-    def _use_kernels(self, native: bool) -> None:
-        """Keeps the int8 weights in the layout of the kernel this machine's choice takes."""
+    def _use_kernels(self, native: bool, strips: torch.Tensor | None = None) -> None:
+        """Keeps the int8 weights in the layout of the kernel this machine's choice takes (`strips`:
+        already packed for the int8-activation kernel, as a cache holds them)."""
         native_ok = native and self.in_features % NATIVE_K_MULTIPLE == 0
         self.kernels = native_kernels() if native_ok else None
-        self.scales_float = self.scales.float()  # [N], what the native kernel takes
         self.int8_activations = self.kernels is not None and int8_activations("int8", self.out_features, self.in_features)
+        self.scales_float = self.scales.float()  # [N], what the native kernels take
         if self.int8_activations:
-            self.strips = pack_int8_strips(self.weight_int8)
+            self.strips = strips if strips is not None else pack_int8_strips(self.weight_int8)
             self.scales_float = torch.nn.functional.pad(self.scales_float, (0, -self.out_features % STRIP))  # [N16]
-            del self.weight_int8
+            vars(self).pop("weight_int8", None)
+        elif strips is not None:
+            self.weight_int8 = unpack_int8_strips(strips, self.out_features, self.in_features)
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int8Linear":
@@ -158,13 +158,9 @@ class Int8Linear(nn.Module):
         nn.Module.__init__(layer)
         layer.scales, layer.bias = state["scales"], bias
         layer.out_features, layer.in_features = (int(v) for v in state["shape"])
-        if "strips" in state and int8_activations("int8", layer.out_features, layer.in_features):
-            layer.kernels, layer.int8_activations, layer.strips = native_kernels(), True, state["strips"]
-            layer.scales_float = torch.nn.functional.pad(layer.scales.float(), (0, -layer.out_features % STRIP))
-            return layer
-        layer.weight_int8 = state["weight_int8"] if "weight_int8" in state else \
-            unpack_int8_strips(state["strips"], layer.out_features, layer.in_features)
-        layer._use_kernels(True)
+        if "weight_int8" in state:
+            layer.weight_int8 = state["weight_int8"]
+        layer._use_kernels(True, state.get("strips"))
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:

@@ -206,10 +206,11 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
   auto a = torch::empty({m, groups}, x.options());
   auto offset = torch::empty({m, groups}, x.options());
   quantize_groups(x.data_ptr<float>(), m, k, p.data_ptr<int8_t>(), a.data_ptr<float>(), offset.data_ptr<float>());
-  std::vector<float> correction(with_correction ? m : 0);
+  const float* offsets = offset.data_ptr<float>();
+  std::vector<float> correction(with_correction ? m : 0);  // per row, its groups summed in order
   for (int64_t r = 0; r < static_cast<int64_t>(correction.size()); ++r) {
     float total = 0.0f;
-    for (int64_t g = 0; g < groups; ++g) total += 128.0f * offset.data_ptr<float>()[r * groups + g];
+    for (int64_t g = 0; g < groups; ++g) total += 128.0f * offsets[r * groups + g];
     correction[r] = total;
   }
   auto out = torch::empty({m, n}, x.options());
@@ -224,7 +225,7 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
         for (int64_t r = 0; r < block; r += kTileRows) {
           const int64_t row = row0 + r;
           const Rows rows{p.data_ptr<int8_t>() + row * k, a.data_ptr<float>() + row * groups,
-                          offset.data_ptr<float>() + row * groups, with_correction ? correction.data() + row : nullptr,
+                          offsets + row * groups, with_correction ? correction.data() + row : nullptr,
                           k, groups};
           rows_over_strips(static_cast<int>(std::min(kTileRows, block - r)), w, rows, first, last, n, outp + row * n);
         }
