@@ -108,7 +108,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("draft", "ngram"),
                           drafter_options={"draft": {"model": str(tiny_qwen)}},
                           concurrency=(1, 2, 8), sample=4, max_tokens=16, max_k=3, price_per_mtok=10.0,
-                          tokens_per_day=2e6, validate=True, validate_max_concurrency=2)
+                          tokens_per_day=2e6, validate=True, validate_max_concurrency=2, validate_rounds=2)
     plan = make_plan(options, progress=lambda line: None)
     assert plan.requests == 4 and plan.segments == {"code": 2, "chat": 2}
     # The clock charges what the profile measured, so the simulated plain run takes just as long as the real one.
@@ -125,7 +125,9 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     assert {(row["config"], row["concurrency"]) for row in plan.validation} == {
         (name, c) for name in ("plain", "draft adaptive k<=3", "ngram adaptive k<=3") for c in (1, 2)}
     for row in plan.validation:  # speedups against plain at the same level, measured right before
-        assert row["measured_speedup"] > 0 and row["predicted_speedup"] > 0
+        assert row["measured_speedup"] > 0 and row["predicted_speedup"] > 0 and row["rounds"] == 2
+        low, high = row["measured_speedup_range"]
+        assert low <= row["measured_speedup"] <= high
         if row["config"] == "plain":
             assert row["measured_speedup"] == row["predicted_speedup"] == 1.0
             assert row["predicted_tokens_per_second"] == pytest.approx(row["measured_tokens_per_second"])
@@ -156,6 +158,37 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
                  "--output", str(tmp_path / "device")]) == 0
     assert "Best per concurrency" in (tmp_path / "device" / "device-plan.md").read_text()
     assert main(["plan", "--from-plan", str(paths["json"])]) != 0  # --costs is needed too: a clear error
+
+
+def test_validation_pools_rounds_each_against_its_own_plain_run(monkeypatch):
+    """Each round's drafter run is divided by that round's plain run; a row is the median of its rounds."""
+    import types
+
+    import draftwise.llm.closed_loop as closed_loop
+    from draftwise.planner.plan import Plan, PlanOptions
+    from draftwise.planner.validate import measured_fastest, validate
+
+    speeds = {None: [10.0, 12.0, 11.0], "ngram": [11.0, 15.0, 12.0]}  # per config, one per round
+    installed = {}
+    llm = types.SimpleNamespace(set_speculative=lambda spec, progress: installed.update(method=spec and spec["method"]))
+
+    def fake_run(llm_, prompts, lengths, c, segments=None):
+        return {"tokens_per_s": speeds[installed["method"]].pop(0), "p95": 1.0}
+
+    monkeypatch.setattr(closed_loop, "run_closed_loop", fake_run)
+    options = PlanOptions("t.jsonl", drafters=("ngram",), concurrency=(1,), max_k=3, validate_rounds=3)
+    predictions = {"plain": [{"tokens_per_second": 10.0, "latency_p95": 1.0}],
+                   "ngram adaptive k<=3": [{"tokens_per_second": 11.5, "latency_p95": 1.0}]}
+    plan = Plan({}, 1, {}, predictions, {}, None, [], {}, None)
+    items = [types.SimpleNamespace(prompt="p", segment="")]
+    plain, ngram = validate(llm, items, [Request(4, 8)], plan, options, progress=lambda line: None)
+    assert plain["measured_tokens_per_second"] == 11.0 and plain["measured_speedup"] == 1.0
+    assert plain["measured_speedup_range"] == pytest.approx([10 / 11, 12 / 11])
+    # rounds: 11/10, 15/12, 12/11 -> median 1.1 (not the ratio of the median speeds, 12/11)
+    assert ngram["measured_speedup"] == pytest.approx(1.1)
+    assert ngram["measured_speedup_range"] == pytest.approx([12 / 11, 1.25])
+    assert ngram["speedup_error"] == pytest.approx(1.15 / 1.1 - 1)
+    assert measured_fastest([plain, ngram]) == {1: "ngram adaptive k<=3"}
 
 
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):

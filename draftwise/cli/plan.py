@@ -34,6 +34,8 @@ def add_parser(commands) -> None:
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--validate", action="store_true", help="run the real engine and compare with the prediction")
     plan.add_argument("--validate-max-concurrency", type=int, default=4)
+    plan.add_argument("--validate-rounds", type=int, default=3,
+                      help="rounds of plain then each drafter at each level; a row is the median of its rounds")
     plan.add_argument("--output", default="plan", help="folder for plan.md, plan.json and plan.png")
     add_option_arguments(plan)
     plan.set_defaults(run=run)
@@ -64,12 +66,12 @@ def run(args: argparse.Namespace) -> None:
         raise InvalidParameterError("--drafters must name at least one drafter")
     for name in drafters:
         drafter_spec(name)  # an unknown name fails before any model loads
-    if args.max_k < 1 or args.sample < 1 or args.max_tokens < 1:
-        raise InvalidParameterError("--max-k, --sample and --max-tokens must be positive")
+    if min(args.max_k, args.sample, args.max_tokens, args.validate_rounds) < 1:
+        raise InvalidParameterError("--max-k, --sample, --max-tokens and --validate-rounds must be positive")
     options = PlanOptions(args.traffic, args.model, drafters, drafter_options_from_args(args, list(drafters)),
                           levels(args.concurrency), args.sample, args.max_tokens, args.max_k, args.segment_field,
                           args.price_per_mtok, args.tokens_per_day, args.seed, args.validate,
-                          args.validate_max_concurrency)
+                          args.validate_max_concurrency, args.validate_rounds)
     plan = make_plan(options, progress=lambda line: print(line, file=sys.stderr, flush=True))
     paths = write(plan, Path(args.output))
     print(render(plan))

@@ -30,6 +30,7 @@ class PlanOptions:
     seed: int = 0
     validate: bool = False
     validate_max_concurrency: int = 4
+    validate_rounds: int = 3  # plain and each drafter, run this many times at each level (validate.py)
 
     def __post_init__(self) -> None:
         self.drafters = tuple(self.drafters) or tuple(spec.name for spec in all_specs() if spec.benchmark_by_default)

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from draftwise.planner.plan import PAYS_MARGIN, Plan
+from draftwise.planner.validate import measured_fastest
 from draftwise.plots import plot_against_concurrency
 
 
@@ -38,16 +39,23 @@ def render(plan: Plan) -> str:
         for c, cost in plan.cost_per_day.items():
             lines.append(f"| {c} | {cost['plain_per_day']:.2f} | {cost['with_speculation_per_day']:.2f} | {cost['config']} |")
     if plan.validation:
-        lines += ["", "Validation (the real engine on this machine):", "",
+        rounds = plan.validation[0].get("rounds", 1)
+        lines += ["", f"Validation (the real engine on this machine; medians of {rounds} rounds, each a plain run "
+                  "then each drafter; the range is the rounds' speedups, the plain row's each plain run over "
+                  "their median):", "",
                   "| concurrency | config | measured tok/s | predicted tok/s | error | measured speedup | "
-                  "predicted speedup | speedup error | measured p95 s | predicted p95 s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "range | predicted speedup | speedup error | measured p95 s | predicted p95 s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in plan.validation:
+            low, high = row.get("measured_speedup_range", [row["measured_speedup"]] * 2)
             lines.append(f"| {row['concurrency']} | {row['config']} | {row['measured_tokens_per_second']:.2f} | "
                          f"{row['predicted_tokens_per_second']:.2f} | {row['error']:+.1%} | "
-                         f"{row['measured_speedup']:.2f}x | {row['predicted_speedup']:.2f}x | "
+                         f"{row['measured_speedup']:.2f}x | {low:.2f}-{high:.2f}x | {row['predicted_speedup']:.2f}x | "
                          f"{row['speedup_error']:+.1%} | "
                          f"{row['measured_latency_p95']:.1f} | {row['predicted_latency_p95']:.1f} |")
+        lines.append("")
+        for c, name in measured_fastest(plan.validation).items():
+            lines.append(f"- concurrency {c}: recommended {plan.best[c]['config']}; measured fastest {name}.")
     return "\n".join(lines)
 
 
