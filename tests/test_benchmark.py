@@ -157,6 +157,37 @@ def test_configs_run_interleaved_item_by_item_with_the_first_rotating():
     assert [r.measures for r in results] == [[{"n": 1}]] * 3
 
 
+def test_background_load_runs_from_its_start_item_to_the_end_under_every_config():
+    """`--background-load 1@0.5`: busy from the item at half the run, for every contestant of that
+    item alike (the load starts between items), and ended with the run."""
+    from draftwise.benchmark.background_load import BackgroundLoad
+    from draftwise.errors import InvalidParameterError
+
+    load = BackgroundLoad.parse("1@0.5")
+    busy = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.reference = name, "a"
+
+        def warm_up(self, prompt):
+            pass
+
+        def run(self, item):
+            busy.append((item[1], self.name, any(p.is_alive() for p in load._running)))
+            return RequestResult(item[0], 1, 1.0, 0.0, [1], 0)
+
+    items = [("x", f"p{i}") for i in range(4)]
+    run_benchmark([Recorder("a"), Recorder("b")], items, progress=False, load=load)
+    assert [(prompt, loaded) for prompt, _, loaded in busy] == [
+        ("p0", False), ("p0", False), ("p1", False), ("p1", False),
+        ("p2", True), ("p2", True), ("p3", True), ("p3", True)]
+    assert load.started_at_item == 2 and load._running == []  # stopped with the run
+    for bad in ("two@0.5", "0@0.5", "2@1.5"):
+        with pytest.raises(InvalidParameterError, match="background"):
+            BackgroundLoad.parse(bad)
+
+
 def test_each_config_runs_in_a_process_of_its_own(tiny_qwen, traffic):
     """Plain and its control, each built and run in its own worker process."""
     params = SamplingParams(temperature=0.0, max_tokens=6)

@@ -101,10 +101,11 @@ def lineup(recipes: list[Recipe], isolation: str = "process") -> Iterator[list[C
 
 
 def run_benchmark(contestants: list[Contestant], items: list, warm_up: str | None = None,
-                  progress: bool = True) -> list[ConfigResult]:
+                  progress: bool = True, load=None) -> list[ConfigResult]:
     """Every contestant over every item, interleaved (the module docstring); one `ConfigResult` per
     contestant, in their order. Each contestant first warms up on `warm_up` (default: the first
-    item's prompt; none if neither is given)."""
+    item's prompt; none if neither is given). `load`: a `background_load.BackgroundLoad`, started
+    between items when the run reaches its start and stopped at the end."""
     from tqdm import tqdm
 
     if warm_up is None and items and isinstance(items[0], tuple):
@@ -114,12 +115,18 @@ def run_benchmark(contestants: list[Contestant], items: list, warm_up: str | Non
             contestant.warm_up(warm_up)
     results = [ConfigResult(c.name, c.reference) for c in contestants]
     bar = tqdm(total=len(items) * len(contestants), disable=not progress, leave=False, unit="run")
-    for index, item in enumerate(items):
-        for turn in range(len(contestants)):
-            which = (index + turn) % len(contestants)
-            bar.set_postfix_str(contestants[which].name)
-            answer = contestants[which].run(item)
-            (results[which].requests if isinstance(item, tuple) else results[which].measures).append(answer)
-            bar.update()
+    try:
+        for index, item in enumerate(items):
+            if load is not None:
+                load.before_item(index, len(items))
+            for turn in range(len(contestants)):
+                which = (index + turn) % len(contestants)
+                bar.set_postfix_str(contestants[which].name)
+                answer = contestants[which].run(item)
+                (results[which].requests if isinstance(item, tuple) else results[which].measures).append(answer)
+                bar.update()
+    finally:
+        if load is not None:
+            load.stop()
     bar.close()
     return results

@@ -55,6 +55,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--in-process", action="store_true",
                        help="build every config in this process (quicker start; LLMs built one after another "
                             "in one process run a few percent apart)")
+    bench.add_argument("--background-load", default=None, metavar="N@FRACTION",
+                       help="N busy processes beside the run from that fraction of its prompts to its end "
+                            "(2@0.5: two, from halfway): speculation when the machine gets busy")
     bench.add_argument("--output", default="bench-results", help="folder for SUITE.md, SUITE.json and plots")
     bench.add_argument("--write-benchmarks", nargs="?", const="BENCHMARKS.md", default=None, metavar="PATH",
                        help="also write the tables as a section of PATH (default BENCHMARKS.md), headed by "
@@ -83,6 +86,10 @@ def run(args: argparse.Namespace) -> None:
     for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens", "hostile"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")
+    if args.background_load:
+        from draftwise.benchmark.background_load import BackgroundLoad
+
+        BackgroundLoad.parse(args.background_load)  # a malformed value fails before any model loads
     settings = BenchSettings(
         output=Path(args.output), model=args.model, datasets=tuple(args.dataset) if args.dataset else None,
         configs=configs, options=drafter_options_from_args(args, methods), per_category=args.per_category,
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> None:
         fixed_k=args.fixed_k, formats=tuple(f for f in args.formats.split(",") if f) if args.formats else None,
         eval_tokens=args.eval_tokens, time_limit=args.time_limit, hostile=args.hostile, device=args.device,
         dtype=args.dtype, load_format=args.load_format, step_mode=args.step_mode,
-        reference=Path(args.reference) if args.reference else None,
+        reference=Path(args.reference) if args.reference else None, background_load=args.background_load,
         serve_arguments=speculative_arguments)
     report = run_suite(args.suite, settings)
     paths = write_outputs(report, settings.output)

@@ -57,6 +57,7 @@ class BenchSettings:
     reference: Path | None = None  # gpu: a reference step script (../shared/gpu/graph_step.py)
     # server-load: the `draftwise serve` flags of a speculative dict (the CLI's, which owns the flags)
     serve_arguments: Callable[[dict | None], list[str]] | None = None
+    background_load: str | None = None  # "N@F": N busy processes from fraction F of the items (`background_load`)
     progress: bool = True
 
     def configs_or(self, default: list[str]) -> list[str]:

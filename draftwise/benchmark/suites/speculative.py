@@ -6,10 +6,13 @@ vs k (fixed-k configs). The adaptive suite runs through the same `measure_prompt
 
 from __future__ import annotations
 
+import math
+
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from draftwise.benchmark.background_load import BackgroundLoad
 from draftwise.benchmark.configs import (CONFIG_PATTERN, CONTROL, PLAIN, LLMRecipe, default_configs, parse_config,
                                          recipes)
 from draftwise.benchmark.datasets import load_prompts
@@ -54,8 +57,9 @@ def measure_prompts(settings: BenchSettings, named: dict[str, dict | None], para
     base = LLMRecipe(settings.model, max_model_len=settings.max_model_len)
     print(f"building plain, {len(named)} configs, the control" + (" and the peers" if extra else ""),
           file=sys.stderr, flush=True)
+    load = BackgroundLoad.parse(settings.background_load) if settings.background_load else None
     with lineup(recipes(base, named, params) + (extra or []), settings.isolation) as contestants:
-        return run_benchmark(contestants, prompts + (probes or []), progress=settings.progress)
+        return run_benchmark(contestants, prompts + (probes or []), progress=settings.progress, load=load)
 
 
 def sampling(settings: BenchSettings, max_tokens: int, **overrides) -> SamplingParams:
@@ -68,9 +72,14 @@ def header(settings: BenchSettings, prompts: list[Prompt], params: SamplingParam
     for category, _ in prompts:
         counts[category] = counts.get(category, 0) + 1
     where = "each config in its own process" if settings.isolation == "process" else "every config in one process"
+    load = ""
+    if settings.background_load:
+        parsed = BackgroundLoad.parse(settings.background_load)
+        load = (f" {parsed.processes} busy process(es) ran beside it from prompt "
+                f"{math.ceil(parsed.start_fraction * len(prompts)) + 1} of {len(prompts)} to the end.")
     return (f"{settings.model}: {len(prompts)} prompts ({', '.join(f'{c} {n}' for c, n in counts.items())}), up to "
             f"{params.max_tokens} tokens, temperature {params.temperature}, seed {params.seed}, batch 1; configs "
-            f"interleaved prompt by prompt (the first rotating), {where}.")
+            f"interleaved prompt by prompt (the first rotating), {where}.{load}")
 
 
 def run(settings: BenchSettings) -> SuiteReport:
