@@ -35,6 +35,21 @@ def test_live_costs_follow_a_lasting_change_within_half_a_window_and_ignore_outl
     assert table == sorted(table)  # non-decreasing in n
 
 
+def test_the_planners_whole_run_costs_are_the_median_of_every_step_not_the_last_window():
+    """A measured run's requests decode at many context lengths; the planner simulates all of them,
+    so its costs are the run's, not its last WINDOW steps' (which are the serving controller's)."""
+    serving, planner = LiveCostModel(synthetic()), LiveCostModel(synthetic(), whole_run=True)
+    for seconds in [0.140] * (2 * WINDOW) + [0.070] * WINDOW:  # long contexts first, then a short one
+        serving.observe_target(1, seconds)
+        planner.observe_target(1, seconds)
+    assert serving.target_seconds(1) == pytest.approx(0.070)
+    assert planner.target_seconds(1) == pytest.approx(0.140)
+    for _ in range(3 * DRAFT_WINDOW):
+        planner.observe_draft([2], 0.040)
+    planner.observe_draft([2], 0.020)
+    assert planner.draft_seconds(2) == pytest.approx(0.040)
+
+
 def test_live_costs_stay_monotone_in_n_whatever_the_noise_says():
     live = LiveCostModel(synthetic())
     for _ in range(5):

@@ -8,7 +8,10 @@
 3. Calibrate, per n and per drafter: the profile times bare forward passes over a 256-token
    context, once; the runs of steps 1 and 2 time every real pass. Each profile is the prior of
    live costs (`speculative.control.live_costs`) fed with those runs' steps, so a target pass over
-   n tokens costs what such passes cost in the runs, and each drafter's calls what they cost. What
+   n tokens costs what such passes cost in the runs, and each drafter's calls what they cost: the
+   median over the whole run (`whole_run`), not over its last 16 steps as while serving. (With the
+   serving window, held-out traffic's plain pass came out at 60 ms where the drafters' runs
+   timed 47-52 ms, plain was predicted 10-12% slower than measured and every speedup too high.) What
    a step costs beyond its timed pass (scheduling, detokenizing) is one constant per step: the
    plain run's real time minus its simulation, over its steps (printed). (It was one factor
    applied to everything, which made the dearer passes of speculation dearer still: held-out
@@ -49,7 +52,7 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")
-    live_plain = LiveCostModel(llm.measure_costs(None, None))
+    live_plain = LiveCostModel(llm.measure_costs(None, None), whole_run=True)
     requests, plain_seconds, prefill = plain_requests(llm, items, live_plain.observe_step)
     prefill_seconds = prefill.seconds if prefill is not None else None
     simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True, prefill_seconds=prefill_seconds).seconds
@@ -69,7 +72,8 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
 
         def listen_to_drafter(method=method, config=config, live=live):
             # the drafter's profile is the prior; its runs' steps (target passes, drafter calls) the evidence
-            live["costs"] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config))
+            live["costs"] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config),
+                                          whole_run=True)
             return live["costs"].observe_step
 
         acceptance, replays[method] = measure_acceptance(llm, items, speculative_dict(method, options),

@@ -50,15 +50,19 @@ PRIOR_FAR = 1.5  # the live plain step this far from the prior's (either way): t
 class LiveCostModel(CostModel):
     """A `CostModel` whose tables move with what the engine measures (the prior's own tables are kept)."""
 
-    def __init__(self, prior: CostModel, prior_path: Path | None = None) -> None:
+    def __init__(self, prior: CostModel, prior_path: Path | None = None, whole_run: bool = False) -> None:
+        """whole_run: keep every ratio instead of the recent ones (the planner's view: what passes
+        cost over a whole measured run, whose requests ran at many context lengths, rather than
+        what they cost in its last WINDOW steps)."""
         super().__init__(dict(prior.target), dict(prior.draft), prior.catch_up, prior.key, prior.spread)
         self.prior = prior
         self.prior_path = prior_path  # the cached profile, dropped if the evidence contradicts it
         self.prior_dropped = False
+        self._window = None if whole_run else WINDOW
         self._target_ratios: dict[int, deque] = {}  # n -> recent observed / prior ratios
-        self._all_target_ratios: deque = deque(maxlen=WINDOW)
-        self._draft_ratios: deque = deque(maxlen=DRAFT_WINDOW)
-        self._catch_up_ratios: deque = deque(maxlen=DRAFT_WINDOW)
+        self._all_target_ratios: deque = deque(maxlen=self._window)
+        self._draft_ratios: deque = deque(maxlen=None if whole_run else DRAFT_WINDOW)
+        self._catch_up_ratios: deque = deque(maxlen=None if whole_run else DRAFT_WINDOW)
 
     # --- evidence -----------------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
@@ -66,7 +70,7 @@ class LiveCostModel(CostModel):
         if num_tokens < 1 or seconds <= 0 or num_tokens > max(self.prior.target):
             return  # prefills past the profiled range say nothing about decoding steps
         ratio = seconds / self.prior.target_seconds(num_tokens)
-        self._target_ratios.setdefault(num_tokens, deque(maxlen=WINDOW)).append(ratio)
+        self._target_ratios.setdefault(num_tokens, deque(maxlen=self._window)).append(ratio)
         self._all_target_ratios.append(ratio)
         self._refit_target()
         self._check_prior()
