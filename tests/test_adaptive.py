@@ -349,6 +349,57 @@ def test_each_traffic_segment_keeps_its_own_memory():
     assert policy.num_tokens([code], [100])[0] > 0  # for ~400 tokens: yes, at once
 
 
+def test_a_new_segment_expects_lengths_from_all_traffic_until_it_has_its_own():
+    """A segment's first requests buy the catch-up at once where all traffic ran long (no renting),
+    and its own lengths take over once it has MIN_LENGTHS of them."""
+    from types import SimpleNamespace
+
+    from draftwise.speculative.control.policy import MIN_LENGTHS, AdaptiveLength
+
+    policy = AdaptiveLength(costs(catch_up=0.005), 4)
+
+    def request(name, segment, length):
+        return SimpleNamespace(request_id=name, segment=segment, params=SimpleNamespace(seed=None, greedy=True),
+                               num_tokens_left=1000 - length, output_ids=[0] * length)
+
+    first = request("q0", "qa", 0)
+    assert policy.expected_tokens_left(first, 0) is None  # nothing finished anywhere: ski rental
+    assert policy.num_tokens([first], [100]) == [0]
+    for i in range(MIN_LENGTHS):
+        seq = request(f"c{i}", "code", 400)
+        policy.num_tokens([seq], [1])
+        policy.release(seq)
+    assert policy.expected_tokens_left(request("q1", "qa", 0), 0) == 400
+    assert policy.num_tokens([request("q2", "qa", 0)], [100])[0] > 0  # bought at the first token
+    for i in range(MIN_LENGTHS):
+        seq = request(f"qa{i}", "qa", 20)
+        policy.num_tokens([seq], [1])
+        policy.release(seq)
+    assert policy.expected_tokens_left(request("q3", "qa", 0), 0) == 20  # its own lengths now
+    assert policy.num_tokens([request("q4", "qa", 0)], [100]) == [0]
+
+
+def test_slow_start_a_draft_reaches_at_most_twice_the_deepest_position_tried():
+    """After one fully accepted draft of 3 the point estimates ask for the longest draft; evidence
+    reaches position 3, so the next draft stops at 6, and one accepted to its end doubles it."""
+    from draftwise.speculative.control.controller import SLOW_START
+
+    model = costs(per_extra_token=0.001, draft_per_token=0.002)
+    controller = GoodputController(model, 8, AcceptanceEstimate.prior(8, 0.9))
+    assert best_num_tokens(controller.estimate.effective_rates(), model, 8) == 8
+    assert controller.choose() == SLOW_START == 2  # nothing tried yet
+    controller.observe(2, 2)
+    assert controller.choose() == 4
+    controller.observe(3, 3)
+    assert controller.choose() == 6
+    controller.observe(6, 0)  # rejected at once: the depth tried stays 3
+    assert controller.estimate.depth_cap() == 6
+    controller.observe(6, 6)
+    assert controller.choose() == 8  # the configured bound
+    # A new request of a segment that learnt its depths starts at the full depth.
+    assert GoodputController(model, 8, controller.estimate.copy()).choose() == 8
+
+
 def test_a_new_segment_starts_optimistic_whatever_other_traffic_taught():
     """Summaries drove the drafter's overall estimate to ~0; code, a new segment, must still try."""
     from types import SimpleNamespace

@@ -66,6 +66,15 @@ B rows every row waits while one row's drafter catches up, so the catch-up costs
 (in row-seconds, against the drafting row's own saving). Before this factor existed, the server
 load run measured speculation 5-6% slower than plain at 4 and 16 clients.
 
+Slow start. How much to draft asks the point estimates, and a position seldom tried borrows the
+rate of the one before it; after one fully accepted draft of 3 (running means 0.9 at positions
+1-3, borrowed by 4-7) the next draft was 7 tokens long. On a held-out translation that draft was
+rejected at its first token: 7 draft-model tokens and an 8-token pass (~2.6 plain steps) spent on
+a 15-token answer, which ended 13% slower than plain. So a draft may reach at most twice the
+deepest position ever tried (SLOW_START before anything was tried), as TCP's window grows:
+2, 4, 8 while drafts are accepted to their end. A segment that learnt its depths passes them on,
+so only unexplored depth is held back.
+
 Both rules buy once the saving reaches CATCH_UP_MARGIN times the catch-up. A margin of 2 was
 tried (adaptive run 5) and dropped: it protects short answers (in a replay of the benchmark's mix
 with i.i.d. acceptance, margin 1 lost 3-4% on translation and QA, margin 2 lost 0-2%), but it also
@@ -93,6 +102,7 @@ MAX_BACK_OFF = 4  # failed probes stretch the interval up to this many times the
 DRAFT_MARGIN = 0.0  # drafting must beat a plain step's goodput by this much, at the rates' lower bounds
 CONFIDENCE_Z = 0.0  # lower bound = rate - Z standard errors (off: see the module's docstring)
 PRIOR_PSEUDO_COUNT = 2  # observations the prior is worth in the standard error
+SLOW_START = 2  # the longest draft before any position was tried; then twice the deepest tried
 
 
 @dataclass(slots=True)
@@ -140,6 +150,12 @@ class AcceptanceEstimate:
             n = count + PRIOR_PSEUDO_COUNT
             bounds.append(max(0.0, rate - CONFIDENCE_Z * math.sqrt(rate * (1 - rate) / n)))
         return bounds
+
+    def depth_cap(self) -> int:
+        """The longest draft the evidence supports: twice the deepest position ever tried
+        (SLOW_START while none was)."""
+        deepest = max((i + 1 for i, count in enumerate(self.counts) if count), default=0)
+        return max(SLOW_START, 2 * deepest)
 
     def effective_rates(self) -> list[float]:
         """The rates decisions use: a position seldom tried (k rarely reached it) is assumed as good
@@ -218,6 +234,8 @@ class GoodputController:
         catch_up = self.costs.catch_up_seconds(lag) * batch_rows
         if k and not self._earns_back(rates, k, catch_up, horizon):
             k = 0
+        elif k:
+            k = min(k, self.estimate.depth_cap())  # (the catch-up was weighed against the long-run saving)
         elif k == 0:
             self._plain_steps += 1
             if self._plain_steps >= self._interval and self._probe_is_cheap(catch_up, horizon):

@@ -103,8 +103,18 @@ class AdaptiveLength:
     def _solo(self, seq: SequenceState, lag: int, batch_rows: int) -> int:
         """The row's own choice; a catch-up must pay for every row of the batch that waits for it."""
         generated = len(seq.output_ids)
-        expected = self.memory(seq).expected_tokens_left(generated)
+        expected = self.expected_tokens_left(seq, generated)
         return self.controller(seq).choose(lag, seq.num_tokens_left, generated, expected, batch_rows)
+
+    def expected_tokens_left(self, seq: SequenceState, generated: int) -> float | None:
+        """From the lengths of the request's segment, else of all traffic (a segment's first
+        requests: lengths, unlike acceptance, say more across kinds of traffic than nothing does,
+        and without them a draft model rents plain steps before every catch-up), else None."""
+        memory = self.memory(seq)
+        expected = memory.expected_tokens_left(generated)
+        if expected is None and memory is not self.overall:
+            expected = self.overall.expected_tokens_left(generated)
+        return expected
 
     def _fit_to_batch(self, seqs: list[SequenceState], choices: list[int]) -> list[int]:
         """Each row's own choice assumed a step of its own; in a batch every drafted token adds
