@@ -122,8 +122,10 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     assert plan.memory["draft"]["weights_bytes"] > 0 and plan.memory["ngram"]["weights_bytes"] == 0
     assert plan.memory["draft"]["sequences_fit_with_drafter"] < plan.memory["draft"]["sequences_fit_plain"]
     assert set(plan.best) == {1, 2, 8} and plan.cost_per_day[1]["plain_per_day"] == 20.0
-    assert {(row["config"], row["concurrency"]) for row in plan.validation} == {
-        (name, c) for name in ("plain", "draft adaptive k<=3", "ngram adaptive k<=3") for c in (1, 2)}
+    validated = {(row["config"], row["concurrency"]) for row in plan.validation}
+    base = {(name, c) for name in ("plain", "draft adaptive k<=3", "ngram adaptive k<=3") for c in (1, 2)}
+    # plain and the adaptive drafters, and the recommended configuration where it is another
+    assert validated - base == {(plan.best[c]["config"], c) for c in (1, 2)} - base and base <= validated
     for row in plan.validation:  # speedups against plain at the same level, measured right before
         assert row["measured_speedup"] > 0 and row["predicted_speedup"] > 0 and row["rounds"] == 2
         low, high = row["measured_speedup_range"]
@@ -161,34 +163,45 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
 
 
 def test_validation_pools_rounds_each_against_its_own_plain_run(monkeypatch):
-    """Each round's drafter run is divided by that round's plain run; a row is the median of its rounds."""
+    """Each round's drafter run is divided by that round's plain run; a row is the median of its
+    rounds; the recommended fixed k runs beside the adaptive drafters."""
     import types
 
     import draftwise.llm.closed_loop as closed_loop
     from draftwise.planner.plan import Plan, PlanOptions
     from draftwise.planner.validate import measured_fastest, validate
 
-    speeds = {None: [10.0, 12.0, 11.0], "ngram": [11.0, 15.0, 12.0]}  # per config, one per round
-    installed = {}
-    llm = types.SimpleNamespace(set_speculative=lambda spec, progress: installed.update(method=spec and spec["method"]))
+    speeds = {"plain": [10.0, 12.0, 11.0], "ngram adaptive": [11.0, 15.0, 12.0],  # per config, one per round
+              "ngram k=2": [10.0, 12.0, 11.0]}
+    order, installed = [], {}
+
+    def set_speculative(spec, progress):
+        installed["name"] = ("plain" if spec is None else
+                             f"ngram k={spec['num_speculative_tokens']}" if spec.get("adaptive") is False
+                             else "ngram adaptive")
+        order.append(installed["name"])
 
     def fake_run(llm_, prompts, lengths, c, segments=None):
-        return {"tokens_per_s": speeds[installed["method"]].pop(0), "p95": 1.0}
+        return {"tokens_per_s": speeds[installed["name"]].pop(0), "p95": 1.0}
 
     monkeypatch.setattr(closed_loop, "run_closed_loop", fake_run)
     options = PlanOptions("t.jsonl", drafters=("ngram",), concurrency=(1,), max_k=3, validate_rounds=3)
-    predictions = {"plain": [{"tokens_per_second": 10.0, "latency_p95": 1.0}],
-                   "ngram adaptive k<=3": [{"tokens_per_second": 11.5, "latency_p95": 1.0}]}
-    plan = Plan({}, 1, {}, predictions, {}, None, [], {}, None)
+    point = {"tokens_per_second": 10.0, "latency_p95": 1.0}
+    predictions = {"plain": [point], "ngram adaptive k<=3": [{**point, "tokens_per_second": 11.5}],
+                   "ngram k=2": [{**point, "tokens_per_second": 12.0}]}
+    plan = Plan({}, 1, {}, predictions, {1: {"config": "ngram k=2"}}, None, [], {}, None)
     items = [types.SimpleNamespace(prompt="p", segment="")]
-    plain, ngram = validate(llm, items, [Request(4, 8)], plan, options, progress=lambda line: None)
+    llm = types.SimpleNamespace(set_speculative=set_speculative)
+    plain, ngram, fixed = validate(llm, items, [Request(4, 8)], plan, options, progress=lambda line: None)
+    assert order == ["plain", "ngram adaptive", "ngram k=2"] * 3  # rounds: plain, then each config
     assert plain["measured_tokens_per_second"] == 11.0 and plain["measured_speedup"] == 1.0
     assert plain["measured_speedup_range"] == pytest.approx([10 / 11, 12 / 11])
     # rounds: 11/10, 15/12, 12/11 -> median 1.1 (not the ratio of the median speeds, 12/11)
     assert ngram["measured_speedup"] == pytest.approx(1.1)
     assert ngram["measured_speedup_range"] == pytest.approx([12 / 11, 1.25])
     assert ngram["speedup_error"] == pytest.approx(1.15 / 1.1 - 1)
-    assert measured_fastest([plain, ngram]) == {1: "ngram adaptive k<=3"}
+    assert fixed["config"] == "ngram k=2" and fixed["measured_speedup"] == pytest.approx(1.0)
+    assert measured_fastest([plain, ngram, fixed]) == {1: "ngram adaptive k<=3"}
 
 
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):

@@ -11,19 +11,22 @@
    n tokens costs what such passes cost in the runs, and each drafter's calls what they cost: the
    median over the whole run (`whole_run`), not over its last 16 steps as while serving. (With the
    serving window, held-out traffic's plain pass came out at 60 ms where the drafters' runs
-   timed 47-52 ms, plain was predicted 10-12% slower than measured and every speedup too high.) What
-   a step costs beyond its timed pass (scheduling, detokenizing) is one constant per step: the
-   plain run's real time minus its simulation, over its steps (printed). (It was one factor
-   applied to everything, which made the dearer passes of speculation dearer still: held-out
-   traffic was predicted at 0.83-0.88x where the engine measured 0.99-1.15x.) Prefills cost what
-   a line fitted to the plain run's timed prefills says (`measure.PrefillCost`). Then simulate
-   closed-loop serving at each concurrency (`simulate.py`): plain decoding, each drafter
-   adaptive (k <= k_max) and every fixed k.
+   timed 47-52 ms, plain was predicted 10-12% slower than measured and every speedup too high.)
+   Prefills cost what a line fitted to every measuring run's timed prefills says
+   (`measure.PrefillCost`: the target's prefill is the same computation whichever drafter runs, and
+   one run's prefills alone swung from 6.2 to 8.1 ms a token between two plans on one machine).
+   What a decoding step costs beyond its timed pass (scheduling, detokenizing) is one constant:
+   the plain run's decoding time (its own timed prefills taken out) minus its simulation without
+   prefills, over its steps (printed). (It was one factor applied to everything, which made the
+   dearer passes of speculation dearer still: held-out traffic was predicted at 0.83-0.88x where
+   the engine measured 0.99-1.15x.) Then simulate closed-loop serving at each concurrency
+   (`simulate.py`): plain decoding, each drafter adaptive (k <= k_max) and every fixed k.
 4. Recommend, per concurrency, the fastest configuration; the concurrency from which speculation
    stops paying (no config 2% above plain); the memory a drafter costs (its weights and KV cache,
    and how many fewer sequences fit in the same KV budget); and the cost per day.
 5. With `validate` (`validate.py`), run the real engine at the concurrencies that fit here and compare measured
-   throughput, and speedup over plain, with the prediction (plain and each drafter, adaptive).
+   throughput, and speedup over plain, with the prediction (plain, each drafter adaptive, and the
+   recommended configuration), in rounds.
 
 Cost per day: `price_per_mtok` is what a million generated tokens cost today without speculation
 (machine time / throughput). Speculation that multiplies throughput by s at the same concurrency
@@ -35,7 +38,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from draftwise.llm import LLM
-from draftwise.planner.measure import measure_acceptance, plain_requests
+from draftwise.planner.measure import PrefillCost, measure_acceptance, plain_requests
 from draftwise.planner.memory import memory_report
 from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, predict, recommend,
                                     segment_counts, speculative_dict)
@@ -53,38 +56,45 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")
     live_plain = LiveCostModel(llm.measure_costs(None, None), whole_run=True)
-    requests, plain_seconds, prefill = plain_requests(llm, items, live_plain.observe_step)
-    prefill_seconds = prefill.seconds if prefill is not None else None
-    simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True, prefill_seconds=prefill_seconds).seconds
-    calibration = plain_seconds / simulated
-    decoding_steps = sum(r.output_tokens - 1 for r in requests)
-    overhead = max(0.0, plain_seconds - simulated) / decoding_steps if decoding_steps else 0.0
-    prefills = (f"; a prefill {prefill.fixed * 1e3:.0f} ms + {prefill.per_token * 1e3:.2f} ms a prompt token"
-                if prefill else "")
-    progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass (the passes "
-             f"themselves as timed while running){prefills}")
-    plain_costs = live_plain.with_overhead(overhead)
-    drafters, costs_by_method, acceptance_by_method, replays = [], {}, {}, {}
+    requests, plain_seconds, plain_prefills = plain_requests(llm, items, live_plain.observe_step)
+    prefill_points = list(plain_prefills)
+    drafters, live_by_method, acceptance_by_method, replays = [], {}, {}, {}
     for method in options.drafters:
         progress(f"measuring {method} acceptance at k = {options.max_k}")
         config = SpeculativeConfig.from_value({**speculative_dict(method, options), "num_speculative_tokens": options.max_k})
-        live: dict[str, LiveCostModel] = {}
 
-        def listen_to_drafter(method=method, config=config, live=live):
+        def listen_to_drafter(method=method, config=config):
             # the drafter's profile is the prior; its runs' steps (target passes, drafter calls) the evidence
-            live["costs"] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config),
-                                          whole_run=True)
-            return live["costs"].observe_step
+            live_by_method[method] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config),
+                                                   whole_run=True)
+            return live_by_method[method].observe_step
 
         acceptance, replays[method] = measure_acceptance(llm, items, speculative_dict(method, options),
-                                                         options.max_k, listen_to_drafter)
+                                                         options.max_k, listen_to_drafter, prefill_points)
         proposer = llm.engine.drafters[method].proposer
-        costs_by_method[method] = live["costs"].with_overhead(overhead)
         acceptance_by_method[method] = acceptance
         footprint = proposer.footprint()
         drafters.append(DrafterFacts(method, {s: asdict(a) for s, a in acceptance.items()}, footprint.weights_bytes,
                                      footprint.kv_bytes_per_token, proposer.catch_up_window,
                                      [list(m) for m in replays[method].matches]))
+    # Prefills are the target's alone, whichever drafter runs: one line through all the runs' prefills.
+    prefill = PrefillCost.fit(prefill_points)
+    prefill_seconds = prefill.seconds if prefill is not None else None
+    simulated = simulate(live_plain, requests, {}, Policy(0), 1, expected=True, prefill_seconds=prefill_seconds).seconds
+    calibration = plain_seconds / simulated
+    # What a decoding step costs beyond its timed pass: the plain run's decoding time (its own timed
+    # prefills taken out) against its simulation without prefills.
+    decoding = plain_seconds - sum(seconds for _, seconds in plain_prefills)
+    simulated_decoding = simulate(live_plain, requests, {}, Policy(0), 1, expected=True,
+                                  prefill_seconds=lambda n: 0.0).seconds
+    decoding_steps = sum(r.output_tokens - 1 for r in requests)
+    overhead = max(0.0, decoding - simulated_decoding) / decoding_steps if decoding_steps else 0.0
+    prefills = (f"; a prefill {prefill.fixed * 1e3:.0f} ms + {prefill.per_token * 1e3:.2f} ms a prompt token "
+                f"(fitted to {len(prefill_points)} timed prefills)" if prefill else "")
+    progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass (the passes "
+             f"themselves as timed while running){prefills}")
+    plain_costs = live_plain.with_overhead(overhead)
+    costs_by_method = {method: live.with_overhead(overhead) for method, live in live_by_method.items()}
     progress("simulating")
     windows = {facts.method: facts.catch_up_window for facts in drafters}
     predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options, replays,

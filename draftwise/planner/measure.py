@@ -26,10 +26,10 @@ MIN_OBSERVATIONS = 8  # a position seen fewer times keeps the previous position'
 
 
 def plain_requests(llm: LLM, items: list[TrafficItem],
-                   listener: Callable | None = None) -> tuple[list[Request], float, PrefillCost | None]:
+                   listener: Callable | None = None) -> tuple[list[Request], float, list[tuple[int, float]]]:
     """Run the sample with plain greedy decoding, one request at a time: each request's lengths,
-    the seconds the run took and what its prefills cost (the planner calibrates its cost model with
-    them). `listener` hears the run's step timings (not the warm-up's)."""
+    the seconds the run took and its timed prefills, (prompt tokens, seconds) (the planner
+    calibrates its cost model with them). `listener` hears the run's step timings (not the warm-up's)."""
     llm.set_speculative(None, progress=False)
     llm.generate(items[0].prompt, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     requests, seconds, prefills = [], 0.0, []
@@ -45,7 +45,7 @@ def plain_requests(llm: LLM, items: list[TrafficItem],
             output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens))[0]
             requests.append(Request(len(output.prompt_token_ids), max(1, len(output.token_ids)), item.segment))
             seconds += output.metrics.seconds
-    return requests, seconds, PrefillCost.fit(prefills)
+    return requests, seconds, prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +71,24 @@ class PrefillCost:
 
 
 def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k: int,
-                       listener_after_install: Callable[[], Callable] | None = None
-                       ) -> tuple[dict[str, Acceptance], Replay]:
+                       listener_after_install: Callable[[], Callable] | None = None,
+                       prefills: list[tuple[int, float]] | None = None) -> tuple[dict[str, Acceptance], Replay]:
     """Per segment: the drafter's conditional acceptance rates at a fixed k (and how often it
     proposes); and per request, what its drafts would have had accepted at each output position
     (`replay.py`). `listener_after_install`, called once the drafter is installed, returns a
-    listener for the runs' step timings."""
+    listener for the runs' step timings; `prefills` collects the run's timed prefills."""
     llm.set_speculative({**speculative, "num_speculative_tokens": k, "adaptive": False}, progress=False)
     listener = listener_after_install() if listener_after_install is not None else None
     by_segment: dict[str, SpecMetrics] = {}
     matches = []
-    with llm.listening(listener):
+
+    def listen(timing) -> None:
+        if timing.is_prefill and prefills is not None:
+            prefills.append((timing.num_tokens, timing.target_seconds))
+        if listener is not None:
+            listener(timing)
+
+    with llm.listening(listen):
         for item in items:
             output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens),
                                   segment=item.segment or None)[0]

@@ -61,7 +61,7 @@ class Plan:
     validation: list[dict] = field(default_factory=list)
     sample_requests: list[dict] = field(default_factory=list)  # the sampled requests' lengths (`Request`s)
     step_overhead_seconds: float = 0.0  # what a real step costs beyond its timed target pass
-    prefill: dict | None = None  # `measure.PrefillCost` fitted to the plain run's prefills
+    prefill: dict | None = None  # `measure.PrefillCost` fitted to every measuring run's prefills
     costs: dict[str, dict] = field(default_factory=dict)  # "plain" and each drafter -> the `CostModel` simulated
 
 

@@ -18,26 +18,27 @@ def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptio
     sections), so a row reports the median over rounds (throughput, and each round's speedup) and
     the range of the speedups: a speedup error inside that range is noise, not the model's miss.
     The plain row's range is each round's plain run over the median plain run (the run's own noise).
-    Each run starts from a freshly installed drafter, as a simulation does, and passes every
-    request's segment."""
+    The recommended configuration runs too where it is a fixed k (the adaptive ones always run), so
+    the report can say whether what it recommends was measured fastest. Each run starts from a
+    freshly installed drafter, as a simulation does, and passes every request's segment."""
     from draftwise.llm.closed_loop import run_closed_loop
 
     prompts = [item.prompt for item in items]
     segments = [item.segment or None for item in items]
     lengths = [r.output_tokens for r in requests]  # the plain run's lengths: the same tokens, EOS included
     levels = [c for c in options.concurrency if c <= options.validate_max_concurrency]
-    names = {method: "plain" if method == "plain" else f"{method} adaptive k<={options.max_k}"
-             for method in ["plain", *options.drafters]}
+    adaptive = {f"{method} adaptive k<={options.max_k}":
+                {**speculative_dict(method, options), "num_speculative_tokens": options.max_k}
+                for method in options.drafters}
     rows = []
     for c in levels:
         index = options.concurrency.index(c)
-        measured: dict[str, list[dict]] = {name: [] for name in names.values()}  # name -> one run per round
+        configs = {"plain": None, **adaptive, **recommended_config(plan.best[c]["config"], options)}
+        measured: dict[str, list[dict]] = {name: [] for name in configs}  # name -> one run per round
         for round_number in range(1, options.validate_rounds + 1):
-            for method, name in names.items():
+            for name, speculative in configs.items():
                 progress(f"validating {name} at concurrency {c} (round {round_number} of {options.validate_rounds})")
-                llm.set_speculative(None if method == "plain" else
-                                    {**speculative_dict(method, options), "num_speculative_tokens": options.max_k},
-                                    progress=False)
+                llm.set_speculative(speculative, progress=False)
                 measured[name].append(run_closed_loop(llm, prompts, lengths, c, segments=segments))
         plain_runs = [run["tokens_per_s"] for run in measured["plain"]]
         plain_predicted = plan.predictions["plain"][index]["tokens_per_second"]
@@ -61,6 +62,16 @@ def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptio
                          "measured_latency_p95": statistics.median(run["p95"] for run in runs),
                          "predicted_latency_p95": predicted["latency_p95"]})
     return rows
+
+
+def recommended_config(name: str, options: PlanOptions) -> dict[str, dict]:
+    """The recommended configuration as {name: speculative dict} when validation would not run it
+    anyway (a fixed k: `simulate.Policy` names it "METHOD k=K"), so that what the plan recommends is
+    measured beside what it was chosen over; else {}."""
+    method, _, policy = name.partition(" k=")
+    if method not in options.drafters or not policy.isdigit():
+        return {}
+    return {name: {**speculative_dict(method, options), "num_speculative_tokens": int(policy), "adaptive": False}}
 
 
 def measured_fastest(validation: list[dict]) -> dict[int, str]:
