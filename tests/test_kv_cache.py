@@ -1,5 +1,7 @@
 """KV-cache rollback is bookkeeping, paged blocks hold each row, and ragged batches give each row its solo logits."""
 
+import os
+
 import pytest
 import torch
 
@@ -99,3 +101,26 @@ def test_a_full_cache_is_a_clear_error(model):
     row = runner.allocate()
     with pytest.raises(KVCacheFullError, match="needs 3 more blocks of 4 tokens but 2 of 2 are free"):
         runner.forward([row], [TOKENS[:9]], [1])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident size from /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pool_is_zero_and_becomes_resident_only_where_written(dtype):
+    """A pool sized for max_num_seqs x max_model_len is not resident from the start (torch.zeros made
+    it so): pages are taken as tokens are written."""
+    from draftwise.cache.kv_cache import KVCache
+
+    before = _resident_bytes()
+    cache = KVCache(num_layers=4, num_blocks=4096, block_size=16, num_kv_heads=2, head_dim=128, dtype=dtype)
+    size = cache.keys.numel() * cache.keys.element_size() * 2  # 512 MiB of keys and values in fp32
+    assert cache.keys.dtype == dtype and cache.keys.shape == (4, 4097 * 16, 2, 128)
+    assert _resident_bytes() - before < size / 8
+    assert not cache.keys[:, :64].any() and not cache.values[:, -64:].any()  # zero where nothing was written
+    cache.keys[0, :16] = 1.0
+    assert cache.keys[0, :16].eq(1).all() and not cache.keys[1, :16].any()

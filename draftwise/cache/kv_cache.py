@@ -13,10 +13,25 @@ blocks are consecutive); `attention_backend.py` says which and why.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from draftwise.cache import attention_backend
 from draftwise.cache.block_manager import BlockManager
+
+
+def zeroed_storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On the CPU its pages become resident only when first written: the pool is sized
+    for max_num_seqs x max_model_len tokens (1.8 GB of fp32 KV for the 1.5B by default), and
+    `torch.zeros` writes every page up front, so a process held all of it from the start whatever it
+    served. numpy's zeros come from calloc, which for allocations this large maps fresh pages that
+    the kernel zeroes on first touch; torch shares that memory (a dtype numpy lacks, bf16, is viewed
+    over integers of its width)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    width = torch.tensor([], dtype=dtype).element_size()
+    carrier = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    return torch.from_numpy(np.zeros(shape, dtype=carrier)).view(dtype)
 
 
 class KVCache:
@@ -31,8 +46,8 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, D]
+        self.keys = zeroed_storage(shape, dtype, device)  # [L, slots, Hkv, D]
+        self.values = zeroed_storage(shape, dtype, device)  # [L, slots, Hkv, D]
         self.blocks = BlockManager(num_blocks, block_size)
         self.scratch_slot = num_blocks * block_size  # where padding goes (the extra block, never handed out)
         self.kernel = attention_backend.kernel_for(self.keys.device, dtype, head_dim)  # None: the SDPA paths
