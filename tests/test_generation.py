@@ -89,8 +89,10 @@ def test_chat_uses_the_template(tiny_llm):
 def test_context_end_finishes_with_length(tiny_llm):
     prompt = "The quick brown fox " * 20
     prompt_len = len(tiny_llm.tokenizer.encode(prompt))
-    out = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None))[0]
-    assert out.finish_reason == "length" and prompt_len + len(out.token_ids) == tiny_llm.max_model_len
+    # ignore_eos: whether the random tiny model says EOS on the way depends on the kernels chosen for
+    # it by timing at load (once the full suite failed here); the end of the context does not
+    out = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert (out.finish_reason, prompt_len + len(out.token_ids)) == ("length", tiny_llm.max_model_len)
 
 
 @pytest.mark.parametrize("prompt, error, message", [
