@@ -33,19 +33,23 @@ def plain_requests(llm: LLM, items: list[TrafficItem],
     llm.set_speculative(None, progress=False)
     llm.generate(items[0].prompt, SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     requests, seconds, prefills = [], 0.0, []
-
-    def listen(timing) -> None:
-        if timing.is_prefill:
-            prefills.append((timing.num_tokens, timing.target_seconds))
-        if listener is not None:
-            listener(timing)
-
-    with llm.listening(listen):
+    with llm.listening(collecting_prefills(prefills, listener)):
         for item in items:
             output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens))[0]
             requests.append(Request(len(output.prompt_token_ids), max(1, len(output.token_ids)), item.segment))
             seconds += output.metrics.seconds
     return requests, seconds, prefills
+
+
+def collecting_prefills(prefills: list[tuple[int, float]], listener: Callable | None) -> Callable:
+    """A step-timing listener that appends each prefill's (prompt tokens, seconds) to `prefills`
+    and passes every timing on to `listener`."""
+    def listen(timing) -> None:
+        if timing.is_prefill:
+            prefills.append((timing.num_tokens, timing.target_seconds))
+        if listener is not None:
+            listener(timing)
+    return listen
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +85,7 @@ def measure_acceptance(llm: LLM, items: list[TrafficItem], speculative: dict, k:
     listener = listener_after_install() if listener_after_install is not None else None
     by_segment: dict[str, SpecMetrics] = {}
     matches = []
-
-    def listen(timing) -> None:
-        if timing.is_prefill and prefills is not None:
-            prefills.append((timing.num_tokens, timing.target_seconds))
-        if listener is not None:
-            listener(timing)
-
-    with llm.listening(listen):
+    with llm.listening(collecting_prefills(prefills if prefills is not None else [], listener)):
         for item in items:
             output = llm.generate(item.prompt, SamplingParams(temperature=0.0, max_tokens=item.max_tokens),
                                   segment=item.segment or None)[0]
