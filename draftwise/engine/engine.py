@@ -23,6 +23,7 @@ from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
 from draftwise.engine.step_timing import DraftCall, StepCounters, StepTiming
+from draftwise.engine.thread_governor import ThreadGovernor
 from draftwise.errors import InvalidParameterError, KVCacheFullError
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch
@@ -40,8 +41,10 @@ class Engine:
     """Each request names its drafter (`seq.method`, None: plain decoding); rows of different
     drafters, and plain rows, share one batch and one verification pass."""
 
-    def __init__(self, runner: ModelRunner, default_method: str | None = None, max_num_seqs: int = 8) -> None:
+    def __init__(self, runner: ModelRunner, default_method: str | None = None, max_num_seqs: int = 8,
+                 threads: ThreadGovernor | None = None) -> None:
         self.runner = runner
+        self.threads = threads  # the CPU thread count per step (None: left as it is)
         self.drafters: dict[str, Drafter] = {}
         self.default_method = default_method  # what requests that do not say use
         self.scheduler = Scheduler(runner.blocks, max_num_seqs, self._step_tokens(), self._release_state)
@@ -78,6 +81,8 @@ class Engine:
             if self.scheduler.has_unfinished():  # `check` makes this unreachable: fail loudly, never hang
                 raise KVCacheFullError("no waiting request fits in the KV cache and none is running")
             return []
+        if self.threads is not None:
+            self.threads.before_step()
         try:
             self._run(step.seqs, step.is_prefill)
         except Exception as error:
@@ -85,6 +90,8 @@ class Engine:
         for seq in step.seqs:
             if seq.finished:
                 self._retire(seq)
+        if self.threads is not None and not self.scheduler.has_unfinished():
+            self.threads.idle()
         return step.seqs
 
     def _run(self, batch: list[Sequence], is_prefill: bool) -> None:
@@ -245,6 +252,8 @@ class Engine:
         the listeners."""
         live = {method: d.costs for method, d in self.drafters.items() if isinstance(d.costs, LiveCostModel)}
         if not timing.is_prefill:
+            if self.threads is not None:
+                self.threads.observe(timing.num_tokens, timing.target_seconds)
             self.counters.decode_steps += 1
             self.counters.drafting_steps += any(any(call.num_tokens) for call in timing.drafts.values())
             if live and all(method in live for method in timing.drafts):

@@ -12,6 +12,7 @@ import torch
 from draftwise.engine.engine import Engine
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
+from draftwise.engine.thread_governor import governor_for
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
@@ -54,17 +55,22 @@ class LLM:
         load_format: str = "auto",
         enforce_eager: bool = False,
         step_mode: str | None = "auto",
+        adaptive_threads: bool = True,
         progress: bool = True,
     ) -> None:
         """enforce_eager (vLLM's name): every pass op by op, no CUDA graph or compiled step. step_mode:
         how decode and verification passes run (`draftwise.runner.static_step`): "auto" (CUDA graphs on
-        CUDA, eager on the CPU), "eager", "compile", "graph", or None (the plain eager path)."""
+        CUDA, eager on the CPU), "eager", "compile", "graph", or None (the plain eager path).
+        adaptive_threads: on the CPU, drop to one thread while that runs faster (a machine shared with
+        busy processes; `engine.thread_governor`), where the model's bits do not depend on the count."""
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
             raise InvalidParameterError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
+        if not isinstance(adaptive_threads, bool):
+            raise InvalidParameterError(f"adaptive_threads must be true or false, got {adaptive_threads!r}")
         if not isinstance(enforce_eager, bool):
             raise InvalidParameterError(f"enforce_eager must be true or false, got {enforce_eager!r}")
         if enforce_eager and step_mode not in ("auto", None, "eager"):
@@ -96,6 +102,7 @@ class LLM:
         self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
                              self.max_model_len, progress, load_format)
         self.timing_listeners: list = []  # callables taking every engine step's `StepTiming` (any engine)
+        self.threads = governor_for(self.runner, adaptive_threads)  # kept across changes of drafter
         self._install(config)
         self._request_ids = itertools.count()
         self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish
@@ -118,7 +125,7 @@ class LLM:
         self.speculative = config
         self.cost_model: CostModel | None = None
         self.engine = Engine(self.runner, max_num_seqs=self.max_num_seqs,
-                             default_method=config.method if config is not None else None)
+                             default_method=config.method if config is not None else None, threads=self.threads)
         self.engine.timing_listeners = self.timing_listeners  # shared: they outlive a change of drafter
         if config is not None:
             drafter = build_drafter(config, self.target)

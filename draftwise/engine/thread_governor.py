@@ -1,0 +1,173 @@
+"""How many CPU threads the next step runs on: all of them, unless the machine is shared.
+
+The engine's passes split their work across threads that meet at a barrier after every parallel
+region (hundreds per step). On a quiet 2-core machine two threads decode 1.6x faster than one; with
+two busy processes beside it, each core is shared, every barrier waits for a descheduled thread, and
+one thread decoded 1.45x faster than two (BENCHMARKS.md, the controller issue: 7.8-8.0 against
+5.3-5.6 tokens/s). The load comes and goes; the governor measures which count is faster now.
+
+Evidence. Every decoding step's target pass is timed (the engine's `StepTiming`); its cost depends
+on n, the tokens it took, so each pass becomes a ratio to the quiet cost at that n: the lowest
+median of RECENT passes ever seen at n with all threads (the machine at its best). Passes at n
+never seen quiet teach nothing.
+
+Rule. With all threads, when the recent passes run SLOWER than quiet (or every PROBE_INTERVAL steps
+anyway, in case the load was there from the start), the next PROBE_STEPS steps run on one thread;
+one thread is kept if its probe beat the recent all-thread passes by MARGIN. On one thread, after
+PROBE_BACK steps (or as soon as the one-thread passes run FASTER than when it switched: the load
+has eased; one thread decodes ~25% faster on a quiet machine than beside two busy processes)
+PROBE_STEPS run on all threads, and all threads return if they beat the recent
+one-thread passes by MARGIN; each failed probe doubles the wait (up to PROBE_INTERVAL: under two
+busy Python processes a step on two threads took 2.3-3x one on one thread, so frequent probes
+cost). Quiet, the probes cost 2 slow steps in PROBE_INTERVAL (~0.5%).
+
+The count is the process's (`torch.set_num_threads`): two LLMs in one process share it, so the
+governor sets it before every step where it differs from what this engine wants.
+
+Lossless: the outputs must not depend on the thread count. Every CPU kernel here gives each output
+element to one thread whole (no reduction split across threads), so the bits are the same at any
+count; `thread_invariant` checks it on the loaded model (a prefill, a step and a verification
+pass at one and at all threads, logits compared bit for bit) and the governor is only used where it
+holds.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+RECENT = 8  # passes per thread count and n whose median is "recent"
+SLOWER = 1.3  # recent all-thread passes this much above quiet: try one thread
+MARGIN = 0.1  # a probe's count is kept if its passes beat the other's by this share
+PROBE_STEPS = 2  # steps a probe runs
+PROBE_INTERVAL = 256  # steps on all threads between probes when nothing looks slower
+PROBE_BACK = 32  # steps on one thread between probes of all threads
+MIN_BETWEEN_PROBES = 16  # steps after a probe before slowness (or speed) may trigger the next
+FASTER = 0.85  # one-thread passes this share of their time when it switched: probe all threads now
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None] = torch.set_num_threads,
+                 get_threads: Callable[[], int] = torch.get_num_threads) -> None:
+        self.max_threads = max_threads
+        self.threads = max_threads  # the count being exploited
+        self._set_threads = set_threads
+        self._get_threads = get_threads
+        self._applied = max_threads
+        self._back_off = PROBE_BACK  # steps on one thread before the next probe of all threads
+        self._switched_at: float | None = None  # the one-thread passes' ratio to quiet when it switched
+        self._quiet: dict[int, float] = {}  # n -> lowest recent median at max threads
+        self._recent: dict[tuple[int, int], deque] = {}  # (threads, n) -> recent seconds
+        self._probe: list[float] = []  # ratios to quiet of the probe in progress
+        self._probe_left = 0
+        self._since_probe = 0
+        self.switches = 0  # times the exploited count changed
+
+    @property
+    def other(self) -> int:
+        return 1 if self.threads == self.max_threads else self.max_threads
+
+    def before_step(self) -> None:
+        """Set the thread count for the coming step."""
+        wanted = self.other if self._probe_left else self.threads
+        if wanted != self._get_threads():
+            self._set_threads(wanted)
+        self._applied = wanted
+
+    def idle(self) -> None:
+        """Nothing is running: hand the process back its full count (a cost profile, a kernel
+        choice or another engine measured now must not find one thread left over from a probe)."""
+        if self._get_threads() != self.max_threads:
+            self._set_threads(self.max_threads)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A decoding step's target pass over `num_tokens` tokens took `seconds` (at the count
+        `before_step` set)."""
+        if num_tokens < 1 or seconds <= 0:
+            return
+        threads = self._applied
+        recent = self._recent.setdefault((threads, num_tokens), deque(maxlen=RECENT))
+        recent.append(seconds)
+        if threads == self.max_threads and len(recent) >= RECENT // 2:
+            median = statistics.median(recent)
+            self._quiet[num_tokens] = min(self._quiet.get(num_tokens, median), median)
+        if self._probe_left:
+            self._probe_left -= 1
+            if num_tokens in self._quiet:
+                self._probe.append(seconds / self._quiet[num_tokens])
+            if not self._probe_left:
+                self._end_probe()
+            return
+        self._since_probe += 1
+        if self._should_probe(num_tokens):
+            self._probe_left, self._probe, self._since_probe = PROBE_STEPS, [], 0
+
+    def _should_probe(self, num_tokens: int) -> bool:
+        if self.threads != self.max_threads:
+            current = self._current_ratio(num_tokens)
+            if self._switched_at is None and current is not None:
+                self._switched_at = current
+            eased = (current is not None and self._switched_at is not None and self._since_probe >= MIN_BETWEEN_PROBES
+                     and current < FASTER * self._switched_at)
+            return eased or self._since_probe >= self._back_off
+        if self._since_probe >= PROBE_INTERVAL:
+            return True
+        current = self._current_ratio(num_tokens)
+        return self._since_probe >= MIN_BETWEEN_PROBES and current is not None and current > SLOWER
+
+    def _current_ratio(self, num_tokens: int) -> float | None:
+        """The median ratio to quiet of the last RECENT / 2 passes at n on the exploited count."""
+        recent = list(self._recent.get((self.threads, num_tokens), ()))[-RECENT // 2:]
+        if num_tokens not in self._quiet or len(recent) < RECENT // 2:
+            return None
+        return statistics.median(recent) / self._quiet[num_tokens]
+
+    def _end_probe(self) -> None:
+        """Keep the probed count if it beat the exploited one's recent passes by MARGIN."""
+        exploited = [seconds / self._quiet[n] for (threads, n), recent in self._recent.items()
+                     if threads == self.threads and n in self._quiet for seconds in list(recent)[-RECENT // 2:]]
+        if self._probe and exploited and statistics.median(self._probe) < (1 - MARGIN) * statistics.median(exploited):
+            self.threads = self.other
+            self.switches += 1
+            self._back_off = PROBE_BACK
+            self._switched_at = None
+        elif self.threads != self.max_threads:
+            self._back_off = min(2 * self._back_off, PROBE_INTERVAL)
+
+
+def thread_invariant(forward_logits: Callable[[], list[torch.Tensor]], max_threads: int) -> bool:
+    """Whether `forward_logits()` (passes over a fixed input) gives the same bits on one thread as
+    on `max_threads`."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max_threads)
+        everything = forward_logits()
+        torch.set_num_threads(1)
+        one = forward_logits()
+    finally:
+        torch.set_num_threads(previous)
+    return len(everything) == len(one) and all(torch.equal(a, b) for a, b in zip(everything, one))
+
+
+def governor_for(runner, enabled: bool = True) -> ThreadGovernor | None:
+    """A governor for `runner`'s passes: on the CPU, with more than one thread, where its logits
+    are the same bits at one thread as at all (else None: the thread count is left alone)."""
+    max_threads = torch.get_num_threads()
+    if not enabled or max_threads < 2 or runner.device.type != "cpu":
+        return None
+    vocab = runner.model.config.vocab_size
+    tokens = [(7 + 131 * i) % vocab for i in range(10)]
+
+    def logits() -> list[torch.Tensor]:
+        row = runner.allocate()
+        try:  # a prefill, a step, a verification pass
+            return [runner.forward([row], [tokens[:6]], [6]).logits.clone(),
+                    runner.forward([row], [tokens[6:7]], [1]).logits.clone(),
+                    runner.forward([row], [tokens[7:10]], [3]).logits.clone()]
+        finally:
+            runner.free(row)
+
+    return ThreadGovernor(max_threads) if thread_invariant(logits, max_threads) else None
