@@ -25,7 +25,7 @@ LAYERS = [
     {"speculative"},
     {"engine"},
     {"llm"},
-    {"server", "benchmark", "planner"},
+    {"server", "benchmark", "planner", "training"},
     {"cli"},
     {"__init__", "__main__"},
 ]

@@ -1,4 +1,4 @@
-"""Command line: `draftwise generate | profile | serve | bench | plan | models | divergence`, one module
+"""Command line: `draftwise generate | profile | serve | bench | plan | models | divergence | train-head`, one module
 per command."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from draftwise.errors import DraftwiseError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftwise.cli import bench, divergence, generate, models, plan, profile, serve
+    from draftwise.cli import bench, divergence, generate, models, plan, profile, serve, train_head
 
     parser = argparse.ArgumentParser(prog="draftwise", description="Lossless speculative decoding for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (generate, profile, serve, bench, plan, models, divergence):
+    for command in (generate, profile, serve, bench, plan, models, divergence, train_head):
         command.add_parser(commands)
     return parser
 

@@ -59,7 +59,12 @@ def run(args: argparse.Namespace) -> None:
     methods = ([spec.name for spec in all_specs() if spec.per_request] if args.per_request_methods is None
                else [m for m in args.per_request_methods.split(",") if m])
     for method in methods:  # built (and their costs measured) now: no request waits for a build
-        llm.prepare_drafter(method)
+        try:
+            llm.prepare_drafter(method)
+        except InvalidParameterError as error:
+            if args.per_request_methods is not None:
+                raise  # asked for by name: it must be there
+            print(f"per-request drafter {method!r} not offered: {error}", file=sys.stderr, flush=True)
     hosts = (frozenset(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
              else default_allowed_hosts(args.host))
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())

@@ -201,23 +201,31 @@ class Engine:
         trees = [b for b, d in enumerate(drafts) if d.parents is not None and d.token_ids and not skipped[b]]
         parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
                    for b in range(len(batch))] if trees else None
+        capture = self._hidden_layers(batch)
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
-                                     parents=parents)
+                                     parents=parents, capture_layers=capture)
         width = max(num_draft)
         target_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], target_logits.device)
         output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)
+        paths: dict[int, list[int]] = {}  # tree row -> its kept nodes
         if trees:
             verified = verify_tree([drafts[b].token_ids for b in trees], [drafts[b].parents for b in trees],
                                    target_logits[trees], [drafts[b].probs for b in trees], sampling.select(trees))
             for b, tokens, path in zip(trees, verified.output_token_ids, verified.accepted_nodes):
-                output_ids[b], num_accepted[b] = tokens, len(path)
+                output_ids[b], num_accepted[b], paths[b] = tokens, len(path), path
                 # The kept path's keys and values go where a chain would have put them.
                 first = lengths[b] + len(pending[b])
                 self.runner.keep_path(batch[b].row, [first + i for i in path], first)
         elapsed = time.perf_counter() - start
         self._target_pass = (sum(map(len, new_tokens)), elapsed)
+        if capture:
+            # The hidden states that produced each row's newest token: at its last kept draft token
+            # (a tree's last kept node), else at the token fed before the draft.
+            newest = [result.cu_num_logits[b] + (num_accepted[b] if b not in trees else
+                                                 (1 + paths[b][-1] if paths[b] else 0)) for b in range(len(batch))]
+            self._hand_hidden(batch, {layer: h[newest] for layer, h in result.hidden.items()})
         for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
                                                                drafts):
             seq.append(tokens[:accepted + 1])
@@ -228,6 +236,21 @@ class Engine:
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
+
+    def _hidden_layers(self, batch: list[Sequence]) -> tuple[int, ...]:
+        """The target layers whose hidden states the drafters of this batch's rows read (a head
+        drafting from the target's own features; most drafters read none)."""
+        layers = {layer for method in _rows_by_method(batch)
+                  for layer in getattr(self.drafters[method].proposer, "hidden_layers", ())}
+        return tuple(sorted(layers))
+
+    def _hand_hidden(self, batch: list[Sequence], hidden: dict[int, torch.Tensor]) -> None:
+        """Give each drafter that reads hidden states its rows' ({layer: [rows, H]})."""
+        for method, rows in _rows_by_method(batch).items():
+            proposer = self.drafters[method].proposer
+            if getattr(proposer, "hidden_layers", ()):
+                proposer.on_hidden([batch[b] for b in rows],
+                                   {layer: hidden[layer][rows] for layer in proposer.hidden_layers})
 
     def _verify_chains(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool],
                        target_logits: torch.Tensor, sampling: SamplingBatch,

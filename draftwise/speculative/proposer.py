@@ -81,6 +81,18 @@ class Proposer(Protocol):
         """The memory this drafter adds (the planner reports it)."""
 
 
+class ReadsHiddenStates(Protocol):
+    """What a drafter adds to `Proposer` to draft from the target's own features (a trained head):
+    the engine captures those layers in every pass that has one of its rows, at no extra pass."""
+
+    hidden_layers: tuple[int, ...]  # target layers (0-based) whose residual stream it reads
+
+    def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, torch.Tensor]) -> None:
+        """After each pass: per layer [rows, H], the residual stream at the position whose logits
+        gave each row its newest token (the prompt's last token after a prefill; the last kept
+        draft token, or the token fed before the draft, after a verification)."""
+
+
 class CachelessProposer:
     """What a drafter without state of its own per request needs of the protocol: nothing to roll
     back, release or catch up on, and no memory beyond the target's (prompt lookup, layer skip)."""

@@ -59,6 +59,10 @@ class DrafterSpec:
     # Its options' `model` names a model speaking the target's vocabulary, which may be the target
     # itself: the target then drafts for itself, the direct test of batch invariance (`bench --suite gpu`).
     drafts_with_model: bool = False
+    # A drafter with a head trained by `draftwise train-head --kind NAME`: (target model, tokenizer,
+    # target name, examples, `heads.training.TrainSettings`, folder, notes for its config, progress)
+    # -> `TrainResult`, the head written to the folder. None: nothing to train.
+    train: Callable | None = None
 
     def parse_options(self, values: dict | Any | None) -> Any:
         """The drafter's options from a dict (unknown names refused), an instance, or None (defaults)."""

@@ -91,7 +91,14 @@ class TrimmedLMHead(nn.Module):
 
 def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
     """Replace `model.lm_head` by a `TrimmedLMHead` in the same weight format as the rest."""
-    weight = _head_weight(model)[kept_ids].float().contiguous()  # [N, H]
+    model.lm_head = TrimmedLMHead(lm_rows_layer(model, kept_ids), kept_ids.to(model.norm.weight.device),
+                                  model.config.vocab_size)
+
+
+def lm_rows_layer(model: nn.Module, kept_ids: torch.Tensor) -> nn.Module:
+    """A layer computing x @ W[kept_ids].T with the model's LM head rows W, in the model's weight
+    format ([..., H] -> [..., N'], N' >= N: int4 pads to a multiple of 16 rows)."""
+    weight = head_weight(model)[kept_ids].float().contiguous()  # [N, H]
     mode = model.quantization.mode
     if mode.startswith("int4") and len(kept_ids) % 16:  # the packed int4 kernel wants N % 16 == 0
         weight = torch.cat([weight, weight.new_zeros(16 - len(kept_ids) % 16, weight.shape[1])])
@@ -103,10 +110,11 @@ def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
         weight = weight.to(model.norm.weight.dtype)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         head.weight = nn.Parameter(weight, requires_grad=False)
-    model.lm_head = TrimmedLMHead(head, kept_ids.to(weight.device), model.config.vocab_size)
+    return head
 
 
-def _head_weight(model: nn.Module) -> torch.Tensor:
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The model's LM head weight [V, H] (its embedding table when tied), as float values."""
     if model.config.tie_word_embeddings:
         table = model.embed_tokens
         return table.weight if isinstance(table, nn.Embedding) else table.dequantized()

@@ -1,0 +1,120 @@
+"""Medusa: K heads on the target's last hidden state draft K tokens at once (`heads/medusa.py`).
+
+The hidden state comes from the target's own pass (the engine captures it: `ReadsHiddenStates`), so
+a draft costs the heads alone: K residual blocks and one scoring of the kept vocabulary rows. A
+request's state is the one vector that produced its newest token. The heads are trained by
+`draftwise train-head --kind medusa` (`heads/medusa_training.py`) and stored by `heads/store.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftwise.errors import InvalidParameterError, ModelFormatError
+from draftwise.speculative.heads.medusa import MedusaHeads
+from draftwise.speculative.heads.medusa_training import train_medusa
+from draftwise.speculative.heads.store import default_folder, read_head, save_head
+from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings
+from draftwise.speculative.proposer import CachelessProposer, Draft, Footprint
+from draftwise.speculative.registry import DrafterSpec, Target, option, register
+from draftwise.speculative.sequence import SequenceState
+from draftwise.speculative.vocab_trim import head_weight, kept_token_ids, lm_rows_layer
+
+KIND = "medusa"
+
+
+class MedusaProposer(CachelessProposer):
+    def __init__(self, heads: MedusaHeads, norm: torch.nn.Module, lm_rows: torch.nn.Module, last_layer: int) -> None:
+        self.heads = heads
+        self.norm = norm  # the target's final norm: the heads read what its LM head reads
+        self.lm_rows = lm_rows  # the target's LM head rows of the kept ids, in its weight format
+        self.hidden_layers = (last_layer,)
+        self._hidden: dict[str, torch.Tensor] = {}  # request id -> [H] the newest token's producer
+
+    def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, torch.Tensor]) -> None:
+        rows = hidden[self.hidden_layers[0]]  # [R, H]
+        for seq, row in zip(seqs, rows):
+            self._hidden[seq.request_id] = row
+
+    def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
+        wanted = [b for b, k in enumerate(num_tokens) if k > 0]
+        drafts = [Draft([]) for _ in seqs]
+        if not wanted:
+            return drafts
+        # (A request without a state yet, as in the cost profile's, drafts from zeros: same cost.)
+        zeros = torch.zeros(self.heads.blocks[0].linear.in_features)
+        hidden = torch.stack([self._hidden.get(seqs[b].request_id, zeros) for b in wanted])  # [R, H]
+        with torch.inference_mode():
+            tokens = self.heads.propose(self.norm(hidden.to(torch.float32)), self.lm_rows).tolist()  # [R, K]
+        for b, row in zip(wanted, tokens):
+            drafts[b] = Draft(row[:num_tokens[b]])
+        return drafts
+
+    def release(self, seq: SequenceState) -> None:
+        self._hidden.pop(seq.request_id, None)
+
+    def footprint(self) -> Footprint:
+        tensors = [*self.heads.parameters(), *self.lm_rows.parameters(), *self.lm_rows.buffers()]
+        return Footprint(sum(t.numel() * t.element_size() for t in tensors))
+
+
+@dataclass(slots=True)
+class MedusaOptions:
+    head: str | None = option(None, "a Medusa head folder (`draftwise train-head --kind medusa`); default: "
+                                    "the one trained for this target", cost=True)
+
+    def __post_init__(self) -> None:
+        if self.head is not None and not isinstance(self.head, str):
+            raise InvalidParameterError(f"head must be a folder path, got {self.head!r}")
+
+
+def load_heads(folder: Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
+    config, tensors = read_head(folder, KIND, hidden_size, vocab_size)
+    try:
+        kept = tensors["kept_ids"]
+        heads = MedusaHeads(hidden_size, int(config["num_heads"]), kept)
+        heads.load_state_dict(tensors)
+    except (KeyError, RuntimeError, ValueError, TypeError) as error:
+        raise ModelFormatError(f"{folder}: the weights do not match its config ({error})") from None
+    if kept.numel() == 0 or int(kept.max()) >= vocab_size or int(kept.min()) < 0:
+        raise ModelFormatError(f"{folder}: kept token ids outside the vocabulary")
+    return heads.eval().requires_grad_(False)
+
+
+def build_medusa(target: Target, options: MedusaOptions) -> MedusaProposer:
+    folder = Path(options.head) if options.head else default_folder(KIND, target.name)
+    if not folder.is_dir():
+        if options.head:
+            raise InvalidParameterError(f"no Medusa head at {folder}")
+        raise InvalidParameterError(
+            f"no Medusa head trained for {target.name!r} (looked in {folder}); make one with: draftwise train-head "
+            f"--target {target.name} --kind {KIND} --data PROMPTS.jsonl")
+    model = target.runner.model
+    heads = load_heads(folder, model.config.hidden_size, model.config.vocab_size).to(model.norm.weight.device)
+    return MedusaProposer(heads, model.norm, lm_rows_layer(model, heads.kept_ids), model.config.num_hidden_layers - 1)
+
+
+def train_medusa_head(model, tokenizer, target_name: str, examples: list[Example], settings: TrainSettings,
+                      folder: Path, notes: dict, progress: bool = True) -> TrainResult:
+    """Heads over the answers' tokens and the most frequent others, trained and saved to `folder`."""
+    config = model.config
+    answered = {int(t) for e in examples for t in e.token_ids[e.answer_start:]}
+    ranked = kept_token_ids(tokenizer, settings.kept_tokens).tolist()
+    kept = sorted(answered | set(ranked[:max(0, settings.kept_tokens - len(answered))]))
+    heads = MedusaHeads(config.hidden_size, settings.num_heads, torch.tensor(kept, dtype=torch.long))
+    lm_rows = head_weight(model)[heads.kept_ids].float().detach().cpu()  # [N, H], frozen
+    result = train_medusa(heads, lm_rows, examples, config.vocab_size, settings, folder / "checkpoint.pt", progress)
+    save_head(folder, heads.state_dict(), {
+        "kind": KIND, "num_heads": heads.num_heads, "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size, "target": target_name, "kept_tokens": len(kept),
+        "training": {**notes, "train_positions": result.train_positions, "heldout_positions": result.heldout_positions,
+                     "settings": asdict(settings), "epochs": [asdict(r) for r in result.reports]}})
+    (folder / "checkpoint.pt").unlink(missing_ok=True)  # trained to the end: nothing left to resume
+    return result
+
+
+register(DrafterSpec(KIND, "K heads on the target's last hidden state (trained by draftwise train-head)",
+                     MedusaOptions, build_medusa, benchmark_by_default=False, train=train_medusa_head))

@@ -1,0 +1,1 @@
+"""Draft heads: small networks that read the target's hidden states (Medusa)."""

@@ -1,0 +1,1 @@
+"""`draftwise train-head`: heads that draft from the target's hidden states, trained here."""

@@ -1,0 +1,36 @@
+"""`draftwise train-head`: distil the target's answers to the prompts, train a head, save it.
+
+Which heads can be trained is the registry's to say (a drafter with `train`). Where the head goes:
+`out`, else the cache folder its drafter looks in for this target (`heads.store.default_folder`),
+so `{"method": KIND}` then finds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftwise.errors import InvalidParameterError
+from draftwise.llm import LLM
+from draftwise.speculative.heads.store import default_folder
+from draftwise.speculative.heads.training import TrainResult, TrainSettings
+from draftwise.speculative.registry import all_specs
+from draftwise.traffic import read_traffic
+from draftwise.training.distill import distill
+
+
+def train_head(target: str, kind: str, data: str, out: Path | None = None, *, settings: TrainSettings | None = None,
+               sample: int = 64, max_tokens: int = 128, progress: bool = True,
+               **model_keywords) -> tuple[Path, TrainResult]:
+    specs = {spec.name: spec for spec in all_specs() if spec.train is not None}
+    if kind not in specs:
+        raise InvalidParameterError(f"--kind {kind!r} cannot be trained; heads that can: {', '.join(specs)}")
+    settings = settings or TrainSettings()
+    if min(sample, max_tokens, settings.kept_tokens, settings.num_heads, settings.epochs, settings.batch_size) < 1:
+        raise InvalidParameterError("sample, max_tokens, kept_tokens, num_heads, epochs and batch_size must be positive")
+    folder = Path(out) if out is not None else default_folder(kind, target)
+    llm = LLM(target, max_num_seqs=1, progress=progress, **model_keywords)
+    items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)
+    examples = distill(llm, [item.prompt for item in items], max_tokens, progress)
+    notes = {"data": str(data), "prompts": len(examples), "max_tokens": max_tokens}
+    result = specs[kind].train(llm.model, llm.tokenizer, target, examples, settings, folder, notes, progress)
+    return folder, result
