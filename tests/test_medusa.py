@@ -56,16 +56,20 @@ def test_training_learns_what_the_target_says_next(trained_head):
     assert config["kind"] == "medusa" and config["num_heads"] == 3 and len(config["training"]["epochs"]) == 30
 
 
+@pytest.mark.parametrize("branches", [1, 3])
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_equality_alone_and_batched(trained_head, tiny_qwen, plain, k, adaptive, drafting_pays):
-    llm = medusa(tiny_qwen, trained_head[0], num_speculative_tokens=k, adaptive=adaptive)
+def test_greedy_equality_alone_and_batched(trained_head, tiny_qwen, plain, k, adaptive, branches, drafting_pays):
+    """branches 3: token trees (the chain and two leaves beside each of its tokens)."""
+    llm = medusa(tiny_qwen, trained_head[0], num_speculative_tokens=k, adaptive=adaptive, medusa_branches=branches)
     prompts = TRAINING_PROMPTS
     expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
     solo = [llm.generate(p, GREEDY)[0] for p in prompts]
     batched = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in solo] == expected and [o.token_ids for o in batched] == expected
     assert_drafted(solo) and assert_drafted(batched)
+    if branches > 1 and not adaptive:  # leaves were verified beside the chain
+        assert llm.spec_metrics.num_draft_tokens > llm.spec_metrics.num_drafts * k
 
 
 def test_greedy_equality_with_plain_steps_between_drafts(trained_head, tiny_qwen, plain):
@@ -146,6 +150,23 @@ def test_a_missing_head_names_the_command_that_makes_one(tiny_qwen, tmp_path, mo
     with pytest.raises(InvalidParameterError, match="no Medusa head at"):
         LLM(str(tiny_qwen), max_model_len=64, progress=False,
             speculative={"method": "medusa", "head": str(tmp_path / "nowhere")})
+
+
+def test_trees_for_greedy_and_seeded_rows_only(trained_head, tiny_qwen):
+    llm = medusa(tiny_qwen, trained_head[0], num_speculative_tokens=3, adaptive=False, medusa_branches=3)
+    proposer = llm.engine.drafters["medusa"].proposer
+
+    class Row:
+        def __init__(self, request_id, params):
+            self.request_id, self.params = request_id, params
+
+    rows = [Row("greedy", GREEDY), Row("seeded", SamplingParams(temperature=0.8, seed=1)),
+            Row("sampled", SamplingParams(temperature=0.8))]
+    greedy, seeded, sampled = proposer.propose(rows, [3, 3, 3])
+    assert greedy.parents is not None and seeded.parents is not None and sampled.parents is None
+    assert greedy.kept_nodes == 3 and len(greedy.token_ids) == 3 + 3 * 2
+    assert greedy.token_ids[:3] == sampled.token_ids  # the chain is each head's best
+    assert all(a >= b for a, b in zip(greedy.scores[3:], greedy.scores[4:]))  # leaves best first
 
 
 def test_a_head_for_another_target_is_refused(trained_head, tiny_qwen, tmp_path):

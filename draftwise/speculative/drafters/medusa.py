@@ -27,8 +27,10 @@ KIND = "medusa"
 
 
 class MedusaProposer(CachelessProposer):
-    def __init__(self, heads: MedusaHeads, norm: torch.nn.Module, lm_rows: torch.nn.Module, last_layer: int) -> None:
+    def __init__(self, heads: MedusaHeads, norm: torch.nn.Module, lm_rows: torch.nn.Module, last_layer: int,
+                 branches: int = 1) -> None:
         self.heads = heads
+        self.branches = branches  # candidates per head: > 1 makes a tree (the chain, then leaves beside it)
         self.norm = norm  # the target's final norm: the heads read what its LM head reads
         self.lm_rows = lm_rows  # the target's LM head rows of the kept ids, in its weight format
         self.hidden_layers = (last_layer,)
@@ -48,9 +50,18 @@ class MedusaProposer(CachelessProposer):
         zeros = torch.zeros(self.heads.blocks[0].linear.in_features)
         hidden = torch.stack([self._hidden.get(seqs[b].request_id, zeros) for b in wanted])  # [R, H]
         with torch.inference_mode():
-            tokens = self.heads.propose(self.norm(hidden.to(torch.float32)), self.lm_rows).tolist()  # [R, K]
-        for b, row in zip(wanted, tokens):
-            drafts[b] = Draft(row[:num_tokens[b]])
+            logits = self.heads.logits(self.norm(hidden.to(torch.float32)), self.lm_rows)  # [R, K, N]
+            top_probs, top_index = logits.softmax(dim=-1).topk(self.branches, dim=-1)  # [R, K, b]
+            top_tokens = self.heads.kept_ids[top_index]  # [R, K, b]
+        for r, b in enumerate(wanted):
+            k = num_tokens[b]
+            chain = top_tokens[r, :k, 0].tolist()
+            # Trees for rows that keep the target's own path (greedy, seeded); an unseeded sampled
+            # row's siblings would need the heads' distributions drawn without replacement.
+            if self.branches == 1 or (seqs[b].params.temperature > 0 and seqs[b].params.seed is None):
+                drafts[b] = Draft(chain)
+            else:
+                drafts[b] = _tree(chain, top_tokens[r, :k, 1:].tolist(), top_probs[r, :k].tolist())
         return drafts
 
     def release(self, seq: SequenceState) -> None:
@@ -61,14 +72,37 @@ class MedusaProposer(CachelessProposer):
         return Footprint(sum(t.numel() * t.element_size() for t in tensors))
 
 
+def _tree(chain: list[int], leaves: list[list[int]], probs: list[list[float]]) -> Draft:
+    """The chain (kept whole: its length is the controller's choice), then beside each chain token i
+    head i's next candidates, best first. A node's score is the product of the heads' probabilities
+    along its path (a leaf's own capped at its earlier siblings', so siblings keep their order)."""
+    above = [1.0]  # above[i]: the chain's path score above chain token i
+    for i in range(len(chain)):
+        above.append(above[-1] * probs[i][0])
+    extra = []  # (score, depth, order among siblings, token, parent)
+    for i, candidates in enumerate(leaves):
+        cap = probs[i][0]
+        for j, token in enumerate(candidates, start=1):
+            cap = min(cap, probs[i][j])
+            extra.append((above[i] * cap, i, j, token, i - 1))
+    extra.sort(key=lambda node: (-node[0], node[1], node[2]))
+    return Draft(chain + [node[3] for node in extra], None, list(range(-1, len(chain) - 1)) + [node[4] for node in extra],
+                 above[1:] + [node[0] for node in extra], kept_nodes=len(chain))
+
+
 @dataclass(slots=True)
 class MedusaOptions:
     head: str | None = option(None, "a Medusa head folder (`draftwise train-head --kind medusa`); default: "
                                     "the one trained for this target", cost=True)
+    medusa_branches: int = option(1, "candidates per head: > 1 drafts a tree (the chain and leaves beside it)",
+                                  cost=True)
 
     def __post_init__(self) -> None:
         if self.head is not None and not isinstance(self.head, str):
             raise InvalidParameterError(f"head must be a folder path, got {self.head!r}")
+        if not isinstance(self.medusa_branches, int) or isinstance(self.medusa_branches, bool) \
+                or not 1 <= self.medusa_branches <= 8:
+            raise InvalidParameterError(f"medusa_branches must be an integer in 1..8, got {self.medusa_branches!r}")
 
 
 def load_heads(folder: Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
@@ -94,7 +128,8 @@ def build_medusa(target: Target, options: MedusaOptions) -> MedusaProposer:
             f"--target {target.name} --kind {KIND} --data PROMPTS.jsonl")
     model = target.runner.model
     heads = load_heads(folder, model.config.hidden_size, model.config.vocab_size).to(model.norm.weight.device)
-    return MedusaProposer(heads, model.norm, lm_rows_layer(model, heads.kept_ids), model.config.num_hidden_layers - 1)
+    return MedusaProposer(heads, model.norm, lm_rows_layer(model, heads.kept_ids), model.config.num_hidden_layers - 1,
+                          options.medusa_branches)
 
 
 def train_medusa_head(model, tokenizer, target_name: str, examples: list[Example], settings: TrainSettings,
