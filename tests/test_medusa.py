@@ -211,3 +211,11 @@ def test_sampling_with_medusa_drafts_follows_the_target(copying_target, tmp_path
         assert not failed_positions(llm, prompt)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_k_is_capped_at_the_number_of_heads(trained_head, tiny_qwen):
+    llm = medusa(tiny_qwen, trained_head[0], num_speculative_tokens=8, adaptive=False)
+    assert llm.engine.drafters["medusa"].max_tokens == 3
+    llm.generate(TRAINING_PROMPTS[0], GREEDY)
+    assert max(drafted for drafted, _ in llm.spec_metrics.steps or [(3, 0)]) <= 3
+    assert len(llm.spec_metrics.drafted_per_position) == 3

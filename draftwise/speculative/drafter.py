@@ -30,12 +30,12 @@ class Drafter:
 def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
     """The proposer from the registry; an adaptive policy on this machine's measured costs, or a fixed k."""
     proposer = config.spec.build(target, config.options)
+    # (a drafter that can propose only so many tokens, as a head with K heads, caps k there)
+    k = min(config.num_speculative_tokens, getattr(proposer, "longest_draft", None) or config.num_speculative_tokens)
     if not config.adaptive:
-        return Drafter(proposer, FixedLength(config.num_speculative_tokens), config.num_speculative_tokens,
-                       config.draft_probability)
+        return Drafter(proposer, FixedLength(k), k, config.draft_probability)
     costs = live_costs(target, proposer, config)
-    return Drafter(proposer, AdaptiveLength(costs, config.num_speculative_tokens), config.num_speculative_tokens,
-                   config.draft_probability, costs)
+    return Drafter(proposer, AdaptiveLength(costs, k), k, config.draft_probability, costs)
 
 
 def live_costs(target: Target, proposer: Proposer, config: SpeculativeConfig) -> LiveCostModel:

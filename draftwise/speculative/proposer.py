@@ -63,6 +63,7 @@ class Proposer(Protocol):
     # The most backlog a first draft absorbs (a draft model's context window; None: unbounded, or
     # no cache at all). The planner's simulator charges catch-ups with it.
     catch_up_window: int | None
+    # (Optional) the longest draft it can propose (a head with K heads: K); k is capped there.
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[b] tokens continuing seqs[b] (all of its committed tokens)."""

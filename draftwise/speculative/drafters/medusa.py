@@ -34,6 +34,7 @@ class MedusaProposer(CachelessProposer):
         self.norm = norm  # the target's final norm: the heads read what its LM head reads
         self.lm_rows = lm_rows  # the target's LM head rows of the kept ids, in its weight format
         self.hidden_layers = (last_layer,)
+        self.longest_draft = heads.num_heads  # (the engine caps k here)
         self._hidden: dict[str, torch.Tensor] = {}  # request id -> [H] the newest token's producer
 
     def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, torch.Tensor]) -> None:
