@@ -115,7 +115,7 @@ def test_config_syntax():
     assert parse_config("draft:k<=6:draft_branches=2", {"draft": {"model": "m", "draft_branches": 1}}) == {
         "method": "draft", "num_speculative_tokens": 6, "adaptive": True, "model": "m", "draft_branches": 2}
     assert parse_config("suffix:suffix_min_probability=0.2")["suffix_min_probability"] == 0.2
-    for bad in ("medusa", "ngram:k=", "draft:k=0", "ngram:4", "draft:draft_branches", "draft:=2"):
+    for bad in ("no_such_drafter", "ngram:k=", "draft:k=0", "ngram:4", "draft:draft_branches", "draft:=2"):
         with pytest.raises(InvalidParameterError, match="config|k must"):
             parse_config(bad)
 

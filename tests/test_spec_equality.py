@@ -245,7 +245,7 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, random_draft, dr
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "medusa"}, "method must be one of"),
+    ({"method": "no_such_drafter"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "lookahead": 3}, "unknown option.*lookahead"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
