@@ -1,9 +1,9 @@
 """How much of a tree is verified (`control/tree_shape.py`), and how the draft model lays its tree out
-(`autoregressive._as_tree`): the chain first and whole, leaves best first, siblings in draw order."""
+(`autoregressive.chain_with_leaves`): the chain first and whole, leaves best first, siblings in draw order."""
 
 import torch
 
-from draftwise.speculative.autoregressive import _as_tree
+from draftwise.speculative.autoregressive import chain_with_leaves
 from draftwise.speculative.control.tree_shape import nodes_that_pay
 
 FLAT = lambda n: 1.0  # noqa: E731  a GPU-like curve: any number of tokens costs one step
@@ -22,7 +22,7 @@ def test_the_nodes_that_pay_depend_on_the_cost_curve():
 def test_the_draft_models_tree_keeps_its_chain_and_orders_siblings_as_drawn():
     chain, confidences = [10, 11, 12], [0.5, 0.9, 0.8]
     leaves = [[(20, 0.3, None), (21, 0.4, None)], [(22, 0.05, None)], []]  # 21 drawn after 20, likelier
-    draft = _as_tree(chain, confidences, leaves, [])
+    draft = chain_with_leaves(chain, confidences, leaves, [])
     assert draft.token_ids[:3] == chain and draft.parents[:3] == [-1, 0, 1] and draft.kept_nodes == 3
     assert draft.first_children().token_ids == chain
     order = draft.token_ids[3:]
@@ -30,5 +30,5 @@ def test_the_draft_models_tree_keeps_its_chain_and_orders_siblings_as_drawn():
     assert draft.scores[3:] == sorted(draft.scores[3:], reverse=True)
     assert draft.parents[draft.token_ids.index(22)] == 0  # beside chain token 1: below chain token 0
     probs = [torch.full((4,), 0.25)] * 3
-    with_probs = _as_tree([1, 2, 3], confidences, [[(0, 0.2, torch.ones(4) / 4)], [], []], probs)
+    with_probs = chain_with_leaves([1, 2, 3], confidences, [[(0, 0.2, torch.ones(4) / 4)], [], []], probs)
     assert with_probs.probs.shape == (4, 4)

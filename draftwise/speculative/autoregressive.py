@@ -31,7 +31,7 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     branches > 1: each drafted position also offers its next branches - 1 choices as leaves
     beside the drafted token (greedy: the next most probable; seeded: the next in the noise race;
     unseeded: drawn without replacement, each with its renormalised distribution), and the draft
-    is a token tree, best first, scored by the drafter's confidences (`_as_tree`); the engine
+    is a token tree, best first, scored by the drafter's confidences (`chain_with_leaves`); the engine
     verifies the part of it that pays.
     """
     token_ids: list[list[int]] = [[] for _ in seqs]
@@ -73,7 +73,7 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
             if confidence[i] < confidence_threshold:
                 num_tokens[b] = step + 1  # confidence stop
     if branches > 1:
-        return [_as_tree(ids, confidences[b], leaves[b], probs[b]) for b, ids in enumerate(token_ids)]
+        return [chain_with_leaves(ids, confidences[b], leaves[b], probs[b]) for b, ids in enumerate(token_ids)]
     return [Draft(ids, torch.stack(p) if p else None) for ids, p in zip(token_ids, probs)]
 
 
@@ -99,7 +99,7 @@ def _other_choices(q: torch.Tensor, chosen: int, count: int, params, sampling: S
     return out
 
 
-def _as_tree(chain: list[int], confidences: list[float], leaves: list[list[tuple]],
+def chain_with_leaves(chain: list[int], confidences: list[float], leaves: list[list[tuple]],
              probs: list[torch.Tensor]) -> Draft:
     """The drafted chain, then the leaves beside its tokens, best first. Scores are products of the
     confidences along a node's path; a leaf's own is capped at its earlier siblings' (the drafted

@@ -63,7 +63,7 @@ class DraftModelProposer:
         drafts = draft_autoregressively(self.runner, rows, seqs, num_tokens,
                                         offsets=[self._offsets[seq.request_id] for seq in seqs],
                                         confidence_threshold=self.confidence_threshold, branches=self.branches)
-        # The chain the cache was fed: a tree's first children (`_as_tree` puts the chain first); never its leaves.
+        # The chain the cache was fed: a tree's first children (`chain_with_leaves` puts the chain first); never its leaves.
         for seq, draft in zip(seqs, drafts):
             self._drafted[seq.request_id] = (len(seq.token_ids), draft.first_children().token_ids)
         return drafts

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from draftwise.errors import InvalidParameterError, ModelFormatError
+from draftwise.speculative.autoregressive import chain_with_leaves
 from draftwise.speculative.heads.medusa import MedusaHeads
 from draftwise.speculative.heads.medusa_training import train_medusa
 from draftwise.speculative.heads.store import default_folder, read_head, save_head
@@ -62,7 +63,11 @@ class MedusaProposer(CachelessProposer):
             if self.branches == 1 or (seqs[b].params.temperature > 0 and seqs[b].params.seed is None):
                 drafts[b] = Draft(chain)
             else:
-                drafts[b] = _tree(chain, top_tokens[r, :k, 1:].tolist(), top_probs[r, :k].tolist())
+                # the chain, then each head's next candidates beside its token, scored by the heads' probabilities
+                probs = top_probs[r, :k].tolist()  # [k, branches]
+                leaves = [[(token, q, None) for token, q in zip(tokens, p[1:])]
+                          for tokens, p in zip(top_tokens[r, :k, 1:].tolist(), probs)]
+                drafts[b] = chain_with_leaves(chain, [p[0] for p in probs], leaves, [])
         return drafts
 
     def release(self, seq: SequenceState) -> None:
@@ -71,24 +76,6 @@ class MedusaProposer(CachelessProposer):
     def footprint(self) -> Footprint:
         tensors = [*self.heads.parameters(), *self.lm_rows.parameters(), *self.lm_rows.buffers()]
         return Footprint(sum(t.numel() * t.element_size() for t in tensors))
-
-
-def _tree(chain: list[int], leaves: list[list[int]], probs: list[list[float]]) -> Draft:
-    """The chain (kept whole: its length is the controller's choice), then beside each chain token i
-    head i's next candidates, best first. A node's score is the product of the heads' probabilities
-    along its path (a leaf's own capped at its earlier siblings', so siblings keep their order)."""
-    above = [1.0]  # above[i]: the chain's path score above chain token i
-    for i in range(len(chain)):
-        above.append(above[-1] * probs[i][0])
-    extra = []  # (score, depth, order among siblings, token, parent)
-    for i, candidates in enumerate(leaves):
-        cap = probs[i][0]
-        for j, token in enumerate(candidates, start=1):
-            cap = min(cap, probs[i][j])
-            extra.append((above[i] * cap, i, j, token, i - 1))
-    extra.sort(key=lambda node: (-node[0], node[1], node[2]))
-    return Draft(chain + [node[3] for node in extra], None, list(range(-1, len(chain) - 1)) + [node[4] for node in extra],
-                 above[1:] + [node[0] for node in extra], kept_nodes=len(chain))
 
 
 @dataclass(slots=True)
