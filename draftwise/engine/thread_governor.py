@@ -61,6 +61,7 @@ class ThreadGovernor:
         self._switched_at: float | None = None  # the one-thread passes' ratio to quiet when it switched
         self._quiet: dict[int, float] = {}  # n -> lowest recent median at max threads
         self._recent: dict[tuple[int, int], deque] = {}  # (threads, n) -> recent seconds
+        self._ratios: dict[int, deque] = {}  # threads -> recent passes' ratios to quiet (any n)
         self._probe: list[float] = []  # ratios to quiet of the probe in progress
         self._probe_left = 0
         self._since_probe = 0
@@ -94,20 +95,23 @@ class ThreadGovernor:
         if threads == self.max_threads and len(recent) >= RECENT // 2:
             median = statistics.median(recent)
             self._quiet[num_tokens] = min(self._quiet.get(num_tokens, median), median)
+        ratio = seconds / self._quiet[num_tokens] if num_tokens in self._quiet else None
+        if ratio is not None:
+            self._ratios.setdefault(threads, deque(maxlen=RECENT)).append(ratio)
         if self._probe_left:
             self._probe_left -= 1
-            if num_tokens in self._quiet:
-                self._probe.append(seconds / self._quiet[num_tokens])
+            if ratio is not None:
+                self._probe.append(ratio)
             if not self._probe_left:
                 self._end_probe()
             return
         self._since_probe += 1
-        if self._should_probe(num_tokens):
+        if self._should_probe():
             self._probe_left, self._probe, self._since_probe = PROBE_STEPS, [], 0
 
-    def _should_probe(self, num_tokens: int) -> bool:
+    def _should_probe(self) -> bool:
         if self.threads != self.max_threads:
-            current = self._current_ratio(num_tokens)
+            current = self._current_ratio()
             if self._switched_at is None and current is not None:
                 self._switched_at = current
             eased = (current is not None and self._switched_at is not None and self._since_probe >= MIN_BETWEEN_PROBES
@@ -115,21 +119,18 @@ class ThreadGovernor:
             return eased or self._since_probe >= self._back_off
         if self._since_probe >= PROBE_INTERVAL:
             return True
-        current = self._current_ratio(num_tokens)
+        current = self._current_ratio()
         return self._since_probe >= MIN_BETWEEN_PROBES and current is not None and current > SLOWER
 
-    def _current_ratio(self, num_tokens: int) -> float | None:
-        """The median ratio to quiet of the last RECENT / 2 passes at n on the exploited count."""
-        recent = list(self._recent.get((self.threads, num_tokens), ()))[-RECENT // 2:]
-        if num_tokens not in self._quiet or len(recent) < RECENT // 2:
-            return None
-        return statistics.median(recent) / self._quiet[num_tokens]
+    def _current_ratio(self) -> float | None:
+        """The median ratio to quiet of the exploited count's last RECENT / 2 passes (any n)."""
+        recent = list(self._ratios.get(self.threads, ()))[-RECENT // 2:]
+        return statistics.median(recent) if len(recent) >= RECENT // 2 else None
 
     def _end_probe(self) -> None:
         """Keep the probed count if it beat the exploited one's recent passes by MARGIN."""
-        exploited = [seconds / self._quiet[n] for (threads, n), recent in self._recent.items()
-                     if threads == self.threads and n in self._quiet for seconds in list(recent)[-RECENT // 2:]]
-        if self._probe and exploited and statistics.median(self._probe) < (1 - MARGIN) * statistics.median(exploited):
+        exploited = self._current_ratio()
+        if self._probe and exploited is not None and statistics.median(self._probe) < (1 - MARGIN) * exploited:
             self.threads = self.other
             self.switches += 1
             self._back_off = PROBE_BACK
