@@ -223,8 +223,8 @@ class Engine:
         if capture:
             # The hidden states that produced each row's newest token: at its last kept draft token
             # (a tree's last kept node), else at the token fed before the draft.
-            newest = [result.cu_num_logits[b] + (num_accepted[b] if b not in trees else
-                                                 (1 + paths[b][-1] if paths[b] else 0)) for b in range(len(batch))]
+            newest = [result.cu_num_logits[b] + (1 + paths[b][-1] if paths.get(b) else num_accepted[b])
+                      for b in range(len(batch))]
             self._hand_hidden(batch, {layer: h[newest] for layer, h in result.hidden.items()})
         for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
                                                                drafts):

@@ -60,7 +60,7 @@ class ThreadGovernor:
         self._back_off = PROBE_BACK  # steps on one thread before the next probe of all threads
         self._switched_at: float | None = None  # the one-thread passes' ratio to quiet when it switched
         self._quiet: dict[int, float] = {}  # n -> lowest recent median at max threads
-        self._recent: dict[tuple[int, int], deque] = {}  # (threads, n) -> recent seconds
+        self._all_threads: dict[int, deque] = {}  # n -> recent seconds of passes on all threads
         self._ratios: dict[int, deque] = {}  # threads -> recent passes' ratios to quiet (any n)
         self._probe: list[float] = []  # ratios to quiet of the probe in progress
         self._probe_left = 0
@@ -90,11 +90,12 @@ class ThreadGovernor:
         if num_tokens < 1 or seconds <= 0:
             return
         threads = self._applied
-        recent = self._recent.setdefault((threads, num_tokens), deque(maxlen=RECENT))
-        recent.append(seconds)
-        if threads == self.max_threads and len(recent) >= RECENT // 2:
-            median = statistics.median(recent)
-            self._quiet[num_tokens] = min(self._quiet.get(num_tokens, median), median)
+        if threads == self.max_threads:
+            recent = self._all_threads.setdefault(num_tokens, deque(maxlen=RECENT))
+            recent.append(seconds)
+            if len(recent) >= RECENT // 2:
+                median = statistics.median(recent)
+                self._quiet[num_tokens] = min(self._quiet.get(num_tokens, median), median)
         ratio = seconds / self._quiet[num_tokens] if num_tokens in self._quiet else None
         if ratio is not None:
             self._ratios.setdefault(threads, deque(maxlen=RECENT)).append(ratio)

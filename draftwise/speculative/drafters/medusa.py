@@ -53,14 +53,17 @@ class MedusaProposer(CachelessProposer):
         hidden = torch.stack([self._hidden.get(seqs[b].request_id, zeros) for b in wanted])  # [R, H]
         with torch.inference_mode():
             logits = self.heads.logits(self.norm(hidden.to(torch.float32)), self.lm_rows)  # [R, K, N]
-            top_probs, top_index = logits.softmax(dim=-1).topk(self.branches, dim=-1)  # [R, K, b]
+            if self.branches == 1:  # chains: the best of each head, no probabilities needed
+                top_probs, top_index = None, logits.argmax(dim=-1, keepdim=True)  # [R, K, 1]
+            else:
+                top_probs, top_index = logits.softmax(dim=-1).topk(self.branches, dim=-1)  # [R, K, b]
             top_tokens = self.heads.kept_ids[top_index]  # [R, K, b]
         for r, b in enumerate(wanted):
             k = num_tokens[b]
             chain = top_tokens[r, :k, 0].tolist()
             # Trees for rows that keep the target's own path (greedy, seeded); an unseeded sampled
             # row's siblings would need the heads' distributions drawn without replacement.
-            if self.branches == 1 or (seqs[b].params.temperature > 0 and seqs[b].params.seed is None):
+            if top_probs is None or (seqs[b].params.temperature > 0 and seqs[b].params.seed is None):
                 drafts[b] = Draft(chain)
             else:
                 # the chain, then each head's next candidates beside its token, scored by the heads' probabilities

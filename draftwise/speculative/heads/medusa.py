@@ -52,7 +52,3 @@ class MedusaHeads(nn.Module):
         if isinstance(lm_rows, torch.Tensor):
             return features @ lm_rows.t()
         return lm_rows(features.to(torch.float32))[..., :len(self.kept_ids)]
-
-    def propose(self, hidden: torch.Tensor, lm_rows: nn.Module | torch.Tensor) -> torch.Tensor:
-        """Greedy tokens [M, K] (vocabulary ids) continuing after the token `hidden` predicted."""
-        return self.kept_ids[self.logits(hidden, lm_rows).argmax(dim=-1)]
