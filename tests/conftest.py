@@ -33,6 +33,18 @@ def kernel_choices_in_tmp(tmp_path_factory):
     activation_choice.choices_path = original
 
 
+@pytest.fixture(scope="session", autouse=True)
+def distilled_examples_in_tmp(tmp_path_factory):
+    """Answers distilled for heads trained by tests stay out of the user's cache."""
+    from draftwise.training import distill
+
+    folder = tmp_path_factory.mktemp("distilled")
+    original = distill.distilled_folder
+    distill.distilled_folder = lambda: folder
+    yield
+    distill.distilled_folder = original
+
+
 @pytest.fixture
 def drafting_pays(monkeypatch):
     """Adaptive drafters plan with `tests.drafting.DRAFTING_PAYS` instead of costs measured here."""

@@ -2,6 +2,7 @@
 by name."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -177,9 +178,9 @@ def test_a_head_for_another_target_is_refused(trained_head, tiny_qwen, tmp_path)
         medusa(tiny_qwen, tmp_path)
 
 
-def test_eagle_is_refused_by_name(tiny_qwen, tmp_path):
-    with pytest.raises(InvalidParameterError, match="--kind 'eagle' cannot be trained; heads that can: .*medusa"):
-        train_head(str(tiny_qwen), "eagle", str(tmp_path / "x.jsonl"), tmp_path, progress=False)
+def test_a_drafter_without_a_head_is_refused_by_name(tiny_qwen, tmp_path):
+    with pytest.raises(InvalidParameterError, match="--kind 'ngram' cannot be trained; heads that can: .*medusa"):
+        train_head(str(tiny_qwen), "ngram", str(tmp_path / "x.jsonl"), tmp_path, progress=False)
 
 
 def test_the_command_trains_and_writes_a_head(tiny_qwen, tmp_path):
@@ -187,7 +188,8 @@ def test_the_command_trains_and_writes_a_head(tiny_qwen, tmp_path):
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     result = subprocess.run([sys.executable, "-m", "draftwise", "train-head", "--target", str(tiny_qwen), "--kind", "medusa",
                              "--data", str(data), "--out", str(tmp_path / "head"), "--epochs", "1",
-                             "--max-tokens", "8", "--kept-tokens", "64"], capture_output=True, text=True, timeout=300)
+                             "--max-tokens", "8", "--kept-tokens", "64"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "DRAFTWISE_CACHE": str(tmp_path / "cache")})
     assert result.returncode == 0, result.stderr
     assert "held-out acceptance by position" in result.stdout and (tmp_path / "head" / "head.safetensors").is_file()
 

@@ -17,7 +17,10 @@ def add_parser(commands) -> None:
                                                     "finds it)")
     parser.add_argument("--sample", type=int, default=64, help="prompts used (drawn evenly across segments)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens of each answer the target writes")
-    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4, help="Medusa: heads; EAGLE: depth of the held-out "
+                                                                 "acceptance report")
+    parser.add_argument("--head-width", type=int, default=None, help="EAGLE: the layer's MLP width (default: "
+                                                                     "the target's)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> None:
 
     settings = TrainSettings(num_heads=args.num_heads, epochs=args.epochs, learning_rate=args.lr,
                              batch_size=args.batch_size, kept_tokens=args.kept_tokens,
-                             heldout_share=args.heldout_share)
+                             heldout_share=args.heldout_share, head_width=args.head_width)
     folder, result = train_head(args.target, args.kind, args.data, args.out, settings=settings, sample=args.sample,
                                 max_tokens=args.max_tokens, quantization=args.quantization, device=args.device)
     last = result.reports[-1]

@@ -221,11 +221,13 @@ class Engine:
         elapsed = time.perf_counter() - start
         self._target_pass = (sum(map(len, new_tokens)), elapsed)
         if capture:
-            # The hidden states that produced each row's newest token: at its last kept draft token
-            # (a tree's last kept node), else at the token fed before the draft.
-            newest = [result.cu_num_logits[b] + (1 + paths[b][-1] if paths.get(b) else num_accepted[b])
-                      for b in range(len(batch))]
-            self._hand_hidden(batch, {layer: h[newest] for layer, h in result.hidden.items()})
+            # The hidden states at every token this pass fed that stays committed: what the row
+            # lacked before its draft, then its kept draft tokens (a chain's first ones, a tree's path).
+            kept = [list(range(len(pending[b]))) + [len(pending[b]) + node for node in
+                                                    (paths[b] if b in paths else range(num_accepted[b]))]
+                    for b in range(len(batch))]
+            self._hand_hidden(batch, {layer: [h[result.cu_num_tokens[b] + torch.tensor(kept[b])]
+                                              for b in range(len(batch))] for layer, h in result.hidden.items()})
         for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
                                                                drafts):
             seq.append(tokens[:accepted + 1])
@@ -244,13 +246,13 @@ class Engine:
                   for layer in getattr(self.drafters[method].proposer, "hidden_layers", ())}
         return tuple(sorted(layers))
 
-    def _hand_hidden(self, batch: list[Sequence], hidden: dict[int, torch.Tensor]) -> None:
-        """Give each drafter that reads hidden states its rows' ({layer: [rows, H]})."""
+    def _hand_hidden(self, batch: list[Sequence], hidden: dict[int, list[torch.Tensor]]) -> None:
+        """Give each drafter that reads hidden states its rows' ({layer: per row [n, H]})."""
         for method, rows in _rows_by_method(batch).items():
             proposer = self.drafters[method].proposer
             if getattr(proposer, "hidden_layers", ()):
                 proposer.on_hidden([batch[b] for b in rows],
-                                   {layer: hidden[layer][rows] for layer in proposer.hidden_layers})
+                                   {layer: [hidden[layer][b] for b in rows] for layer in proposer.hidden_layers})
 
     def _verify_chains(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool],
                        target_logits: torch.Tensor, sampling: SamplingBatch,

@@ -31,7 +31,10 @@ DEFAULT_BLOCK_SIZE = 16
 class ForwardResult:
     logits: torch.Tensor  # [N, V]: N = sum of num_logits over rows, row after row
     cu_num_logits: list[int]  # [B + 1]: row b's logits are logits[cu[b]:cu[b+1]]
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, H] at the same positions
+    # Passes that capture layers: layer -> [T, H] the residual stream at every token fed, row after
+    # row (row b's at cu_num_tokens[b]:cu_num_tokens[b+1], in the order its tokens were given).
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    cu_num_tokens: list[int] = field(default_factory=list)  # [B + 1]
 
 
 class ModelRunner:
@@ -168,8 +171,12 @@ class ModelRunner:
         seq_index = [counts[b] - n + i for b, n in enumerate(num_logits) for i in range(n)]
         picked = hidden[batch_index, seq_index]  # [N, H]
         logits = self.model.logits(picked)  # [N, V]
+        if not captured:
+            return ForwardResult(logits, _cumulative(num_logits))
+        fed_batch = [b for b, count in enumerate(counts) for _ in range(count)]
+        fed_seq = [s for count in counts for s in range(count)]
         return ForwardResult(logits, _cumulative(num_logits),
-                             {layer: h[batch_index, seq_index] for layer, h in captured.items()})
+                             {layer: h[fed_batch, fed_seq] for layer, h in captured.items()}, _cumulative(counts))
 
 
 def _resolve_step_mode(step_mode: str | None, cache: KVCache) -> str | None:

@@ -88,10 +88,11 @@ class ReadsHiddenStates(Protocol):
 
     hidden_layers: tuple[int, ...]  # target layers (0-based) whose residual stream it reads
 
-    def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, torch.Tensor]) -> None:
-        """After each pass: per layer [rows, H], the residual stream at the position whose logits
-        gave each row its newest token (the prompt's last token after a prefill; the last kept
-        draft token, or the token fed before the draft, after a verification)."""
+    def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, list[torch.Tensor]]) -> None:
+        """After each pass, per layer and row [n, H]: the residual stream at every token the pass fed
+        that stays committed, in order (a prefill: the prompt; a verification: the token fed before
+        the draft, then the kept draft tokens). Its last row produced the row's newest token; each
+        row t's token is followed, in the sequence, by the token its logits chose."""
 
 
 class CachelessProposer:

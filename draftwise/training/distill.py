@@ -3,19 +3,32 @@
 What a head learns should be what verification accepts, and verification accepts the target's own
 greedy tokens: so the training text is the target's answers (not a dataset's), and the features are
 the target's hidden states over prompt + answer (after its final norm, as its LM head reads them).
+
+Answering is the slow part of training (seconds a prompt on a CPU), so the examples are cached,
+keyed by the target, how it was loaded, the prompts and the answer length: a second head (another
+kind, width or schedule) trained on the same traffic starts at once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from draftwise.llm import LLM
+from draftwise.paths import cache_root
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.heads.training import Example
 
+FORMAT = 1  # bump when what an example holds changes
 
-def distill(llm: LLM, prompts: list[str], max_tokens: int, progress: bool = True) -> list[Example]:
+
+def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True) -> list[Example]:
     """One example per prompt: the target's greedy answer and its hidden states over it all."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     examples = []
@@ -24,6 +37,45 @@ def distill(llm: LLM, prompts: list[str], max_tokens: int, progress: bool = True
         ids = list(output.prompt_token_ids) + list(output.token_ids)
         examples.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden_states(llm, ids)))
     return examples
+
+
+def distilled_folder() -> Path:
+    return cache_root() / "distilled"
+
+
+def distill_cached(llm: LLM, key: dict, prompts: list, max_tokens: int,
+                   progress: bool = True) -> tuple[list[Example], Path]:
+    """`distill`, read from the cache when the same target (as `key` describes its loading) answered
+    the same prompts before; written there otherwise. Returns the examples and the cache file."""
+    identity = json.dumps({"format": FORMAT, "model": key, "prompts": prompts, "max_tokens": max_tokens},
+                          sort_keys=True, default=str)
+    path = distilled_folder() / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".safetensors")
+    if path.is_file():
+        try:
+            return read_examples(path), path
+        except (OSError, SafetensorError, KeyError, ValueError):
+            path.unlink(missing_ok=True)  # a torn write: answer again
+    examples = distill(llm, prompts, max_tokens, progress)
+    write_examples(path, examples)
+    return examples, path
+
+
+def write_examples(path: Path, examples: list[Example]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = torch.tensor([len(e.token_ids) for e in examples], dtype=torch.long)  # [E]
+    tensors = {"token_ids": torch.cat([e.token_ids for e in examples]).long(),  # [sum S]
+               "hidden": torch.cat([e.hidden for e in examples]).float().contiguous(),  # [sum S, H]
+               "lengths": lengths, "answer_starts": torch.tensor([e.answer_start for e in examples])}
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    partial.replace(path)
+
+
+def read_examples(path: Path) -> list[Example]:
+    tensors = load_file(str(path))
+    bounds = [0, *torch.cumsum(tensors["lengths"], 0).tolist()]
+    return [Example(tensors["token_ids"][a:b], int(start), tensors["hidden"][a:b])
+            for a, b, start in zip(bounds, bounds[1:], tensors["answer_starts"].tolist())]
 
 
 @torch.inference_mode()

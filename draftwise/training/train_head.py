@@ -15,7 +15,7 @@ from draftwise.speculative.heads.store import default_folder
 from draftwise.speculative.heads.training import TrainResult, TrainSettings
 from draftwise.speculative.registry import all_specs
 from draftwise.traffic import read_traffic
-from draftwise.training.distill import distill
+from draftwise.training.distill import distill_cached
 
 
 def train_head(target: str, kind: str, data: str, out: Path | None = None, *, settings: TrainSettings | None = None,
@@ -27,10 +27,15 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
     settings = settings or TrainSettings()
     if min(sample, max_tokens, settings.kept_tokens, settings.num_heads, settings.epochs, settings.batch_size) < 1:
         raise InvalidParameterError("sample, max_tokens, kept_tokens, num_heads, epochs and batch_size must be positive")
+    if settings.head_width is not None and settings.head_width < 1:
+        raise InvalidParameterError(f"head_width must be positive, got {settings.head_width}")
     folder = Path(out) if out is not None else default_folder(kind, target)
     llm = LLM(target, max_num_seqs=1, progress=progress, **model_keywords)
     items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)
-    examples = distill(llm, [item.prompt for item in items], max_tokens, progress)
+    examples, cached = distill_cached(llm, {"target": target, **model_keywords}, [item.prompt for item in items],
+                                      max_tokens, progress)
+    if progress:
+        print(f"target answers: {cached}")
     notes = {"data": str(data), "prompts": len(examples), "max_tokens": max_tokens}
     result = specs[kind].train(llm.model, llm.tokenizer, target, examples, settings, folder, notes, progress)
     return folder, result

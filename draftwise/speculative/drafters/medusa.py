@@ -38,10 +38,9 @@ class MedusaProposer(CachelessProposer):
         self.longest_draft = heads.num_heads  # (the engine caps k here)
         self._hidden: dict[str, torch.Tensor] = {}  # request id -> [H] the newest token's producer
 
-    def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, torch.Tensor]) -> None:
-        rows = hidden[self.hidden_layers[0]]  # [R, H]
-        for seq, row in zip(seqs, rows):
-            self._hidden[seq.request_id] = row
+    def on_hidden(self, seqs: list[SequenceState], hidden: dict[int, list[torch.Tensor]]) -> None:
+        for seq, states in zip(seqs, hidden[self.hidden_layers[0]]):  # [n, H] per row
+            self._hidden[seq.request_id] = states[-1]  # the newest token's producer
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         wanted = [b for b, k in enumerate(num_tokens) if k > 0]

@@ -17,7 +17,7 @@ class Example:
 
 @dataclass(slots=True)
 class TrainSettings:
-    num_heads: int = 4
+    num_heads: int = 4  # Medusa: heads; EAGLE: the draft depth its held-out acceptance is reported to
     epochs: int = 4
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
@@ -25,6 +25,7 @@ class TrainSettings:
     heldout_share: float = 0.1  # examples kept out for acceptance per position (0: reported on the training set)
     seed: int = 0
     kept_tokens: int = 32768  # the vocabulary the head scores: the answers' tokens, then the most frequent
+    head_width: int | None = None  # EAGLE: its layer's MLP width (None: the target's)
 
 
 @dataclass(slots=True)
