@@ -135,7 +135,7 @@ def test_eos_inside_an_accepted_run(trained_head, tiny_qwen, plain, monkeypatch,
 def test_an_untrained_head_is_accepted_less(trained_head, tiny_qwen, tmp_path):
     trained, _ = read_eagle(trained_head[0], 64, _vocab(tiny_qwen), lambda: None)
     torch.manual_seed(0)
-    save_eagle(tmp_path, EagleHead(trained.shape, trained.kept_ids), _vocab(tiny_qwen), {"target": "tiny"})
+    save_eagle(tmp_path, EagleHead(trained.shape, trained.kept_ids), _vocab(tiny_qwen), {"kind": "eagle"})
     rates = []
     for folder in (trained_head[0], tmp_path):
         llm = eagle(tiny_qwen, folder, num_speculative_tokens=3, adaptive=False)
@@ -161,7 +161,7 @@ def test_a_medusa_head_is_not_an_eagle_head(tiny_qwen, trained_head, tmp_path):
     config = json.loads((trained_head[0] / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "draftwise": {"kind": "medusa"}}))
     (tmp_path / "model.safetensors").write_bytes((trained_head[0] / "model.safetensors").read_bytes())
-    with pytest.raises(InvalidParameterError, match="a 'medusa' head, not an EAGLE one"):
+    with pytest.raises(InvalidParameterError, match="a 'medusa' head, not a 'eagle' one"):
         eagle(tiny_qwen, tmp_path)
 
 

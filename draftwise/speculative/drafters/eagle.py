@@ -151,7 +151,7 @@ class EagleOptions:
 
 def load_head(folder: Path, hidden_size: int, vocab_size: int, tokenizer) -> EagleHead:
     """A head from `folder`; one trained elsewhere scores the DEFAULT_KEPT most frequent tokens."""
-    return read_eagle(folder, hidden_size, vocab_size, lambda: kept_token_ids(tokenizer, DEFAULT_KEPT))[0]
+    return read_eagle(folder, hidden_size, vocab_size, lambda: kept_token_ids(tokenizer, DEFAULT_KEPT), KIND)[0]
 
 
 def build_eagle(target: Target, options: EagleOptions) -> EagleProposer:
@@ -196,7 +196,7 @@ def train_eagle_head(model, tokenizer, target_name: str, examples: list[Example]
     result = train_eagle(head, lm_rows, lambda ids: embed(ids).clone(), examples, config.vocab_size, settings,
                          folder / "checkpoint.pt", progress)
     save_eagle(folder, head, config.vocab_size, {
-        "target": target_name, "kept_tokens": len(kept),
+        "kind": KIND, "target": target_name, "kept_tokens": len(kept),
         "training": {**notes, "train_positions": result.train_positions, "heldout_positions": result.heldout_positions,
                      "settings": asdict(settings), "epochs": [asdict(r) for r in result.reports]}})
     (folder / "checkpoint.pt").unlink(missing_ok=True)  # trained to the end: nothing left to resume

@@ -28,10 +28,12 @@ from draftwise.speculative.heads.eagle import EagleHead, EagleShape
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+SPECULATORS_EAGLE1 = "eagle"  # speculators' model type of an EAGLE-1 speculator (a field of its format)
 
 
 def save_eagle(folder: Path, head: EagleHead, vocab_size: int, draftwise: dict) -> None:
-    """Write `head` in vLLM's EAGLE-1 layout; `draftwise`: what this library keeps beside it."""
+    """Write `head` in vLLM's EAGLE-1 layout; `draftwise`: what this library keeps beside it (its
+    drafter's name under "kind", how it was trained)."""
     shape = head.shape
     q, k, v = head.qkv_proj.weight.split(head.split_sizes)
     gate, up = head.gate_up_proj.weight.chunk(2)
@@ -52,7 +54,7 @@ def save_eagle(folder: Path, head: EagleHead, vocab_size: int, draftwise: dict) 
         "head_dim": shape.head_dim, "rope_theta": shape.rope_theta, "rms_norm_eps": shape.rms_norm_eps,
         "attention_bias": shape.attention_bias, "hidden_act": "silu", "vocab_size": vocab_size,
         "tie_word_embeddings": False, "torch_dtype": "float32",
-        "draftwise": {**draftwise, "kind": "eagle", "kept_ids": head.kept_ids.tolist()},
+        "draftwise": {**draftwise, "kept_ids": head.kept_ids.tolist()},
     }
     folder.mkdir(parents=True, exist_ok=True)
     save_file({name: t.detach().float().contiguous() for name, t in tensors.items()}, str(folder / WEIGHTS),
@@ -60,10 +62,11 @@ def save_eagle(folder: Path, head: EagleHead, vocab_size: int, draftwise: dict) 
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
 
 
-def read_eagle(folder: Path, hidden_size: int, vocab_size: int,
-               default_kept: Callable[[], torch.Tensor]) -> tuple[EagleHead, dict]:
+def read_eagle(folder: Path, hidden_size: int, vocab_size: int, default_kept: Callable[[], torch.Tensor],
+               kind: str | None = None) -> tuple[EagleHead, dict]:
     """The head in `folder` (either layout) and its config, checked against the target's hidden size
-    and vocabulary. default_kept() [N]: the vocabulary a head from elsewhere scores (ours keep theirs)."""
+    and vocabulary. default_kept() [N]: the vocabulary a head from elsewhere scores (ours keep theirs);
+    kind: the drafter reading it, refusing a draftwise head saved by another."""
     config_path = folder / CONFIG
     weight_files = sorted(folder.glob("*.safetensors"))
     if not config_path.is_file() or not weight_files:
@@ -78,9 +81,9 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int,
     if "speculators_model_type" in config:
         layer_config, tensors = _from_speculators(folder, config, tensors)
     else:
-        mine = config.get("draftwise", {})
-        if mine.get("kind", "eagle") != "eagle":
-            raise InvalidParameterError(f"{folder}: a {mine.get('kind')!r} head, not an EAGLE one")
+        saved_as = config.get("draftwise", {}).get("kind")
+        if kind is not None and saved_as is not None and saved_as != kind:
+            raise InvalidParameterError(f"{folder}: a {saved_as!r} head, not a {kind!r} one")
         if config.get("num_hidden_layers", 1) != 1 or "fc.weight" not in tensors:
             raise InvalidParameterError(f"{folder}: not an EAGLE-1 head (one layer and fc.weight expected)")
         layer_config = config
@@ -113,10 +116,10 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int,
 def _from_speculators(folder: Path, config: dict, tensors: dict) -> tuple[dict, dict]:
     """speculators' EAGLE-1 names and layer config, as vLLM's layout has them."""
     kind = config.get("speculators_model_type")
-    if kind == "eagle3":
+    if kind == SPECULATORS_EAGLE1 + "3":
         raise InvalidParameterError(f"{folder}: an EAGLE-3 head (fused low, middle and high features); draftwise "
                                     "serves EAGLE-1 heads only")
-    if kind != "eagle":
+    if kind != SPECULATORS_EAGLE1:
         raise InvalidParameterError(f"{folder}: a speculators {kind!r} model, not an EAGLE head")
     for variant in ("layernorms", "fusion_bias"):
         if config.get(variant):
