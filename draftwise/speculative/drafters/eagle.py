@@ -78,7 +78,7 @@ class EagleProposer:
             tree = self.branches > 1 and not (seq.params.temperature > 0 and seq.params.seed is None)
             chain, confidences, leaves = [], [], []
             for j in range(k):
-                logits = self.head.logits(predicted, self.lm_rows)  # [N]
+                logits = self.head.logits(predicted[None], self.lm_rows)[0]  # [N]
                 if tree:
                     probs, index = logits.softmax(dim=-1).topk(self.branches)  # [branches]
                     tokens = self.head.kept_ids[index].tolist()
