@@ -233,3 +233,24 @@ def test_a_head_in_speculators_format_serves_losslessly(trained_head, tiny_qwen,
     outputs = llm.generate(TRAINING_PROMPTS, GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(TRAINING_PROMPTS, GREEDY)]
     assert llm.spec_metrics.acceptance_rate > 0.5
+
+
+def test_a_failed_step_gives_the_head_its_states_again(trained_head, tiny_qwen, plain, monkeypatch):
+    """A batch's step raises once (every row undone, then each run alone): the head forgets the
+    requests, the target's cache re-feeds them whole, and the head drafts from true states again
+    (from zero features it would accept far less)."""
+    llm = eagle(tiny_qwen, trained_head[0], num_speculative_tokens=3, adaptive=False)
+    forward, failed = llm.runner.forward, []
+
+    def fails_once(rows, token_ids, num_logits, **kwargs):
+        decoding = len(rows) >= 3 and all(len(ids) <= 4 for ids in token_ids)  # (drafts of <= 3 after a token)
+        if decoding and not failed:
+            failed.append(len(rows))
+            raise RuntimeError("injected fault")
+        return forward(rows, token_ids, num_logits, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "forward", fails_once)
+    outputs = llm.generate(TRAINING_PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(TRAINING_PROMPTS, GREEDY)]
+    assert failed and all(len(o.token_ids) > 8 for o in outputs)  # the fault struck mid-request
+    assert llm.spec_metrics.acceptance_rate > 0.7, llm.spec_metrics.acceptance_rate

@@ -123,3 +123,19 @@ def test_a_head_for_another_target_or_a_torn_file_is_refused(tmp_path):
         read_eagle(tmp_path, 32, VOCAB, lambda: None)
     with pytest.raises(InvalidParameterError, match="not an EAGLE head folder"):
         read_eagle(tmp_path / "nowhere", 32, VOCAB, lambda: None)
+
+
+def test_biases_come_from_the_file_and_tensors_it_does_not_compute_are_refused(tmp_path):
+    """A Qwen2 layer config names no attention_bias: the q/k/v biases are read because the file has
+    them. A tensor this head would ignore (fc.bias, an input norm) is refused, never dropped."""
+    head = random_head(4)
+    save_eagle(tmp_path, head, VOCAB, {})
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["attention_bias"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    loaded, _ = read_eagle(tmp_path, 32, VOCAB, lambda: None)
+    torch.testing.assert_close(outputs(loaded), outputs(head), rtol=0, atol=0)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**tensors, "fc.bias": torch.zeros(32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InvalidParameterError, match="does not compute: fc.bias"):
+        read_eagle(tmp_path, 32, VOCAB, lambda: None)

@@ -19,8 +19,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens of each answer the target writes")
     parser.add_argument("--num-heads", type=int, default=4, help="Medusa: heads; EAGLE: depth of the held-out "
                                                                  "acceptance report")
-    parser.add_argument("--head-width", type=int, default=None, help="EAGLE: the layer's MLP width (default: "
-                                                                     "the target's)")
+    parser.add_argument("--head-width", type=int, default=None, help="EAGLE: the layer's MLP width (default: 4/3 "
+                                                                     "of the hidden size, at most the target's)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=128)

@@ -140,7 +140,12 @@ class Engine:
             else:
                 self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
         if seq.method is not None:
-            self.drafters[seq.method].proposer.release(seq)
+            proposer = self.drafters[seq.method].proposer
+            proposer.release(seq)
+            if seq.row is not None and getattr(proposer, "hidden_layers", ()):
+                # A head reading the target's states from the start (EAGLE's own cache) gets them
+                # again: the next pass feeds the whole sequence.
+                self.runner.truncate(seq.row, 0)
 
     @staticmethod
     def _fail(seq: Sequence, error: Exception) -> None:

@@ -113,6 +113,13 @@ def lm_rows_layer(model: nn.Module, kept_ids: torch.Tensor) -> nn.Module:
     return head
 
 
+def rows_dtype(layer: nn.Module) -> torch.dtype:
+    """The float type a rows layer takes: its weight's (a float16/bfloat16 model's), else float32
+    (quantized rows cast their input themselves)."""
+    weight = getattr(layer, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+
+
 def head_weight(model: nn.Module) -> torch.Tensor:
     """The model's LM head weight [V, H] (its embedding table when tied), as float values."""
     if model.config.tie_word_embeddings:

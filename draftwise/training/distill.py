@@ -61,6 +61,8 @@ def distill_cached(llm: LLM, key: dict, prompts: list, max_tokens: int,
 
 
 def write_examples(path: Path, examples: list[Example]) -> None:
+    if not examples:
+        return  # (nothing to keep: the caller refuses an empty data set)
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = torch.tensor([len(e.token_ids) for e in examples], dtype=torch.long)  # [E]
     tensors = {"token_ids": torch.cat([e.token_ids for e in examples]).long(),  # [sum S]

@@ -32,6 +32,8 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
     folder = Path(out) if out is not None else default_folder(kind, target)
     llm = LLM(target, max_num_seqs=1, progress=progress, **model_keywords)
     items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)
+    if not items:
+        raise InvalidParameterError(f"{data}: no prompts to train on")
     examples, cached = distill_cached(llm, {"target": target, **model_keywords}, [item.prompt for item in items],
                                       max_tokens, progress)
     if progress:

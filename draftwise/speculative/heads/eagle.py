@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model.layers import rotary_cos_sin
+from draftwise.speculative.vocab_trim import rows_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,8 @@ class EagleHead(nn.Module):
         the whole sequence (training)."""
         shape = self.shape
         seq = features.shape[0]
-        x = self.fc(torch.cat([embeddings, features], dim=-1))  # [S, H] (the order vLLM and speculators use)
+        dtype = self.fc.weight.dtype  # (a head served in bfloat16 takes float32 inputs)
+        x = self.fc(torch.cat([embeddings.to(dtype), features.to(dtype)], dim=-1))  # [S, H] (the order vLLM and speculators use)
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(seq, shape.num_heads, shape.head_dim).transpose(0, 1)[None]  # [1, Hq, S, D]
         k = k.view(seq, shape.num_kv_heads, shape.head_dim).transpose(0, 1)[None]  # [1, Hkv, S, D]
@@ -116,8 +118,11 @@ class EagleHead(nn.Module):
             earlier = cache.length
             cache.append(k[0], v[0])
             keys, values = cache.keys[None, :, :cache.length], cache.values[None, :, :cache.length]  # [1, Hkv, L, D]
-            mask = torch.arange(cache.length, device=x.device)[None] <= earlier + torch.arange(seq, device=x.device)[:, None]
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            if seq == 1:  # (one query sees every key: no mask)
+                attended = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            else:
+                mask = torch.arange(cache.length, device=x.device)[None] <= earlier + torch.arange(seq, device=x.device)[:, None]
+                attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         x = x + self.o_proj(attended[0].transpose(0, 1).reshape(seq, -1))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, shape.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)  # [S, H]
@@ -126,7 +131,7 @@ class EagleHead(nn.Module):
         """[..., N] over the kept ids; lm_rows: [N, H] float rows, or a layer computing x @ rows.T."""
         if isinstance(lm_rows, torch.Tensor):
             return predicted @ lm_rows.t()
-        return lm_rows(predicted.to(torch.float32))[..., :len(self.kept_ids)]
+        return lm_rows(predicted.to(rows_dtype(lm_rows))).float()[..., :len(self.kept_ids)]
 
     def new_cache(self) -> HeadKV:
         return HeadKV(self.shape.num_kv_heads, self.shape.head_dim, self.fc.weight.dtype, self.fc.weight.device)

@@ -31,7 +31,8 @@ WEIGHTS = "model.safetensors"
 SPECULATORS_EAGLE1 = "eagle"  # speculators' model type of an EAGLE-1 speculator (a field of its format)
 
 
-def save_eagle(folder: Path, head: EagleHead, vocab_size: int, draftwise: dict) -> None:
+def save_eagle(folder: Path, head: EagleHead, vocab_size: int, draftwise: dict,
+               max_position_embeddings: int = 32768) -> None:
     """Write `head` in vLLM's EAGLE-1 layout; `draftwise`: what this library keeps beside it (its
     drafter's name under "kind", how it was trained)."""
     shape = head.shape
@@ -53,7 +54,7 @@ def save_eagle(folder: Path, head: EagleHead, vocab_size: int, draftwise: dict) 
         "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim, "rope_theta": shape.rope_theta, "rms_norm_eps": shape.rms_norm_eps,
         "attention_bias": shape.attention_bias, "hidden_act": "silu", "vocab_size": vocab_size,
-        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "tie_word_embeddings": False, "torch_dtype": "float32", "max_position_embeddings": max_position_embeddings,
         "draftwise": {**draftwise, "kept_ids": head.kept_ids.tolist()},
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -87,7 +88,7 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int, default_kept: Ca
         if config.get("num_hidden_layers", 1) != 1 or "fc.weight" not in tensors:
             raise InvalidParameterError(f"{folder}: not an EAGLE-1 head (one layer and fc.weight expected)")
         layer_config = config
-    shape = _shape(folder, layer_config)
+    shape = _shape(folder, layer_config, "layers.0.self_attn.q_proj.bias" in tensors)
     if shape.hidden_size != hidden_size or layer_config.get("vocab_size", vocab_size) != vocab_size:
         raise InvalidParameterError(
             f"{folder}: made for hidden size {shape.hidden_size} and {layer_config.get('vocab_size')} tokens; "
@@ -107,6 +108,13 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int, default_kept: Ca
                  "down_proj.weight": tensors["layers.0.mlp.down_proj.weight"], "kept_ids": kept}
         if shape.attention_bias:
             state["qkv_proj.bias"] = torch.cat([tensors[f"layers.0.self_attn.{p}_proj.bias"] for p in "qkv"])
+        read = {"fc.weight", "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.o_proj.weight",
+                *(f"layers.0.self_attn.{p}_proj.{kind}" for p in "qkv" for kind in ("weight", "bias")),
+                *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+                "embed_tokens.weight", "lm_head.weight"}  # (the last two: copies of the target's; its own are used)
+        unknown = sorted(set(tensors) - read)
+        if unknown:  # (fc.bias, an input norm, QK norms: a head computing what this one does not)
+            raise InvalidParameterError(f"{folder}: tensors this EAGLE-1 head does not compute: {', '.join(unknown)}")
         head.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in state.items()})
     except (KeyError, RuntimeError) as error:
         raise ModelFormatError(f"{folder}: the weights do not match its config ({error})") from None
@@ -136,13 +144,14 @@ def _from_speculators(folder: Path, config: dict, tensors: dict) -> tuple[dict, 
     return layer_config, renamed
 
 
-def _shape(folder: Path, config: dict) -> EagleShape:
+def _shape(folder: Path, config: dict, has_qkv_bias: bool) -> EagleShape:
+    """The layer's shape; query/key/value biases where the file has them (a Qwen2 config names none)."""
     try:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         return EagleShape(hidden, heads, int(config.get("num_key_value_heads", heads)),
                           int(config.get("head_dim") or hidden // heads), int(config["intermediate_size"]),
                           float(config.get("rope_theta", 10000.0)), float(config.get("rms_norm_eps", 1e-6)),
-                          bool(config.get("attention_bias", False)))
+                          has_qkv_bias)
     except (KeyError, TypeError, ValueError) as error:
         raise ModelFormatError(f"{folder}/{CONFIG}: incomplete layer config ({error})") from None

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftwise.speculative.vocab_trim import rows_dtype
+
 
 class ResidualBlock(nn.Module):
     def __init__(self, hidden_size: int) -> None:
@@ -51,4 +53,4 @@ class MedusaHeads(nn.Module):
         features = self.features(hidden)  # [M, K, H]
         if isinstance(lm_rows, torch.Tensor):
             return features @ lm_rows.t()
-        return lm_rows(features.to(torch.float32))[..., :len(self.kept_ids)]
+        return lm_rows(features.to(rows_dtype(lm_rows))).float()[..., :len(self.kept_ids)]

@@ -25,7 +25,7 @@ class TrainSettings:
     heldout_share: float = 0.1  # examples kept out for acceptance per position (0: reported on the training set)
     seed: int = 0
     kept_tokens: int = 32768  # the vocabulary the head scores: the answers' tokens, then the most frequent
-    head_width: int | None = None  # EAGLE: its layer's MLP width (None: the target's)
+    head_width: int | None = None  # EAGLE: its layer's MLP width (None: 4/3 of the hidden size, at most the target's)
 
 
 @dataclass(slots=True)
