@@ -139,3 +139,25 @@ def test_biases_come_from_the_file_and_tensors_it_does_not_compute_are_refused(t
     save_file({**tensors, "fc.bias": torch.zeros(32)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(InvalidParameterError, match="does not compute: fc.bias"):
         read_eagle(tmp_path, 32, VOCAB, lambda: None)
+
+
+def test_a_batched_step_computes_what_each_row_alone_computes():
+    """Drafting steps run for all rows at once over caches of different lengths (padded, masked):
+    each row's prediction is the one its own cached pass gives."""
+    head = random_head(5)
+    generator = torch.Generator().manual_seed(6)
+    caches, alone = [], []
+    with torch.no_grad():
+        for length in (3, 7, 1):
+            cache = head.new_cache()
+            head(torch.randn(length, 32, generator=generator), torch.randn(length, 32, generator=generator),
+                 torch.arange(length), cache)
+            caches.append(cache)
+        features, embeddings = torch.randn(3, 32, generator=generator), torch.randn(3, 32, generator=generator)
+        positions = torch.tensor([3, 7, 1])
+        for r, cache in enumerate(caches):
+            copy = cache.prefix(cache.length)
+            alone.append(head(features[r:r + 1], embeddings[r:r + 1], positions[r:r + 1], copy)[0])
+        batched = head.step(features, embeddings, positions, caches)
+    torch.testing.assert_close(batched, torch.stack(alone), rtol=1e-5, atol=1e-5)
+    assert [cache.length for cache in caches] == [4, 8, 2]

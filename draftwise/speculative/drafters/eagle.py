@@ -70,30 +70,45 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
+        """Each row's catch-up on its own (lengths differ), then the drafting steps of all rows at once."""
         drafts = [Draft([]) for _ in seqs]
-        for b, (seq, k) in enumerate(zip(seqs, num_tokens)):
-            if k <= 0:
-                continue
-            predicted, cache = self._catch_up(seq)
-            committed = cache.length
-            tree = self.branches > 1 and not (seq.params.temperature > 0 and seq.params.seed is None)
-            chain, confidences, leaves = [], [], []
-            for j in range(k):
-                logits = self.head.logits(predicted[None], self.lm_rows)[0]  # [N]
-                if tree:
-                    probs, index = logits.softmax(dim=-1).topk(self.branches)  # [branches]
-                    tokens = self.head.kept_ids[index].tolist()
-                    chain.append(tokens[0])
-                    confidences.append(float(probs[0]))
-                    leaves.append([(token, float(q), None) for token, q in zip(tokens[1:], probs[1:])])
+        wanted = [b for b, k in enumerate(num_tokens) if k > 0]
+        if not wanted:
+            return drafts
+        caught_up = [self._catch_up(seqs[b]) for b in wanted]
+        predicted = torch.stack([p for p, _ in caught_up])  # [R, H]
+        caches = [cache for _, cache in caught_up]
+        committed = [cache.length for cache in caches]
+        trees = [self.branches > 1 and not (seqs[b].params.temperature > 0 and seqs[b].params.seed is None)
+                 for b in wanted]
+        chains: list[list[int]] = [[] for _ in wanted]
+        confidences: list[list[float]] = [[] for _ in wanted]
+        leaves: list[list] = [[] for _ in wanted]
+        live = list(range(len(wanted)))  # rows still drafting
+        for j in range(max(num_tokens)):
+            logits = self.head.logits(predicted, self.lm_rows)  # [live, N]
+            if any(trees[r] for r in live):
+                top_probs, top_index = logits.softmax(dim=-1).topk(self.branches, dim=-1)  # [live, branches]
+                top_tokens, top_probs = self.head.kept_ids[top_index].tolist(), top_probs.tolist()
+            best = self.head.kept_ids[logits.argmax(dim=-1)].tolist()  # [live]
+            for i, r in enumerate(live):
+                if trees[r]:  # (the chain's token is the first candidate, whatever a tie does)
+                    chains[r].append(top_tokens[i][0])
+                    confidences[r].append(top_probs[i][0])
+                    leaves[r].append([(token, q, None) for token, q in zip(top_tokens[i][1:], top_probs[i][1:])])
                 else:
-                    chain.append(int(self.head.kept_ids[logits.argmax()]))
-                if j + 1 < k:
-                    embedding = self.embed(torch.tensor([chain[-1]], device=predicted.device)).float()  # [1, H]
-                    position = torch.tensor([len(seq.token_ids) - 1 + j], device=predicted.device)
-                    predicted = self.head(predicted[None], embedding, position, cache)[0]
-            cache.truncate(committed)  # drafted positions: their true features come with the verification
-            drafts[b] = chain_with_leaves(chain, confidences, leaves, []) if tree else Draft(chain)
+                    chains[r].append(best[i])
+            going = [i for i, r in enumerate(live) if j + 1 < num_tokens[wanted[r]]]
+            if not going:
+                break
+            live = [live[i] for i in going]
+            device = predicted.device
+            embeddings = self.embed(torch.tensor([chains[r][-1] for r in live], device=device)).float()  # [live, H]
+            positions = torch.tensor([len(seqs[wanted[r]].token_ids) - 1 + j for r in live], device=device)
+            predicted = self.head.step(predicted[going], embeddings, positions, [caches[r] for r in live])
+        for r, b in enumerate(wanted):
+            caches[r].truncate(committed[r])  # drafted positions: their true features come with the verification
+            drafts[b] = chain_with_leaves(chains[r], confidences[r], leaves[r], []) if trees[r] else Draft(chains[r])
         return drafts
 
     def _catch_up(self, seq: SequenceState) -> tuple[torch.Tensor, HeadKV]:

@@ -127,6 +127,35 @@ class EagleHead(nn.Module):
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, shape.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)  # [S, H]
 
+    def step(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
+             caches: list[HeadKV]) -> torch.Tensor:
+        """One new position for each of R requests at once: features, embeddings [R, H] at positions
+        [R], row r appended to caches[r] and attending all it holds -> predicted features [R, H]."""
+        shape = self.shape
+        rows = features.shape[0]
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([embeddings.to(dtype), features.to(dtype)], dim=-1))  # [R, H]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(rows, shape.num_heads, 1, shape.head_dim)  # [R, Hq, 1, D]
+        k = k.view(rows, shape.num_kv_heads, 1, shape.head_dim)  # [R, Hkv, 1, D]
+        v = v.view(rows, shape.num_kv_heads, 1, shape.head_dim)
+        cos, sin = rotary_cos_sin(positions[:, None], shape.head_dim, shape.rope_theta, x.dtype)  # [R, 1, 1, D]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        for r, cache in enumerate(caches):
+            cache.append(k[r], v[r])
+        longest = max(cache.length for cache in caches)
+        keys = x.new_zeros(rows, shape.num_kv_heads, longest, shape.head_dim)  # [R, Hkv, L, D], padded
+        values = torch.zeros_like(keys)
+        for r, cache in enumerate(caches):
+            keys[r, :, :cache.length] = cache.keys[:, :cache.length]
+            values[r, :, :cache.length] = cache.values[:, :cache.length]
+        lengths = torch.tensor([cache.length for cache in caches], device=x.device)
+        mask = (torch.arange(longest, device=x.device)[None] < lengths[:, None])[:, None, None]  # [R, 1, 1, L]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [R, Hq, 1, D]
+        x = x + self.o_proj(attended.reshape(rows, -1))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, shape.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)  # [R, H]
+
     def logits(self, predicted: torch.Tensor, lm_rows: nn.Module | torch.Tensor) -> torch.Tensor:
         """[..., N] over the kept ids; lm_rows: [N, H] float rows, or a layer computing x @ rows.T."""
         if isinstance(lm_rows, torch.Tensor):

@@ -144,10 +144,12 @@ def example_loss(head: EagleHead, lm_rows: torch.Tensor, example: Example, embed
 @torch.no_grad()
 def acceptance_per_position(head: EagleHead, lm_rows: torch.Tensor, examples: list[Example],
                             embedded: dict[int, torch.Tensor], embed: Callable, depth: int) -> list[float]:
-    """[depth]: share of draft starts (answer positions) where the chain's tokens 1..i are all the
-    target's, drafting as served: the head's cache of true features, then its own."""
+    """[depth]: share of draft starts (positions from the prompt's last on, as serving drafts: the
+    first draft follows the first answer token) where the chain's tokens 1..i are all the target's,
+    drafting as served: the head's cache of true features, then its own."""
     head.eval()
-    starts = [(e, t) for e in examples for t in range(max(0, e.answer_start - 2), len(e.token_ids) - 2)]
+    # (from the prompt's last position on: the answer's first token is the target's own, never drafted)
+    starts = [(e, t) for e in examples for t in range(max(0, e.answer_start - 1), len(e.token_ids) - 2)]
     if not starts:
         return [0.0] * depth
     step = max(1, len(starts) // MAX_STARTS)
