@@ -228,11 +228,11 @@ class Engine:
         if capture:
             # The hidden states at every token this pass fed that stays committed: what the row
             # lacked before its draft, then its kept draft tokens (a chain's first ones, a tree's path).
-            kept = [list(range(len(pending[b]))) + [len(pending[b]) + node for node in
-                                                    (paths[b] if b in paths else range(num_accepted[b]))]
-                    for b in range(len(batch))]
-            self._hand_hidden(batch, {layer: [h[result.cu_num_tokens[b] + torch.tensor(kept[b])]
-                                              for b in range(len(batch))] for layer, h in result.hidden.items()})
+            kept = [result.cu_num_tokens[b] + torch.tensor(
+                list(range(len(pending[b]))) + [len(pending[b]) + node for node in
+                                                (paths[b] if b in paths else range(num_accepted[b]))])
+                    for b in range(len(batch))]  # per row: indices into the pass's fed tokens
+            self._hand_hidden(batch, {layer: [h[index] for index in kept] for layer, h in result.hidden.items()})
         for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
                                                                drafts):
             seq.append(tokens[:accepted + 1])

@@ -24,8 +24,8 @@ from draftwise.speculative.autoregressive import chain_with_leaves
 from draftwise.speculative.heads.eagle import EagleHead, EagleShape, HeadKV
 from draftwise.speculative.heads.eagle_training import train_eagle
 from draftwise.speculative.heads.eagle_format import read_eagle, save_eagle
-from draftwise.speculative.heads.store import default_folder
-from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings
+from draftwise.speculative.heads.store import head_folder
+from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings, training_vocabulary
 from draftwise.speculative.proposer import Draft, Footprint
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
 from draftwise.speculative.sequence import SequenceState
@@ -171,13 +171,7 @@ def load_head(folder: Path, hidden_size: int, vocab_size: int, tokenizer) -> Eag
 
 
 def build_eagle(target: Target, options: EagleOptions) -> EagleProposer:
-    folder = Path(options.head) if options.head else default_folder(KIND, target.name)
-    if not folder.is_dir():
-        if options.head:
-            raise InvalidParameterError(f"no EAGLE head at {folder}")
-        raise InvalidParameterError(
-            f"no EAGLE head trained for {target.name!r} (looked in {folder}); make one with: draftwise train-head "
-            f"--target {target.name} --kind {KIND} --data PROMPTS.jsonl")
+    folder = head_folder(KIND, "EAGLE", target.name, options.head)
     model = target.runner.model
     head = load_head(folder, model.config.hidden_size, model.config.vocab_size, target.tokenizer)
     head = faster_precision(head.to(model.norm.weight.device))
@@ -224,11 +218,9 @@ def train_eagle_head(model, tokenizer, target_name: str, examples: list[Example]
                      folder: Path, notes: dict, progress: bool = True) -> TrainResult:
     """A head over the answers' tokens and the most frequent others, trained and saved to `folder`."""
     config = model.config
-    answered = {int(t) for e in examples for t in e.token_ids[e.answer_start:]}
-    ranked = kept_token_ids(tokenizer, settings.kept_tokens).tolist()
-    kept = sorted(answered | set(ranked[:max(0, settings.kept_tokens - len(answered))]))
+    kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
     torch.manual_seed(settings.seed)
-    head = EagleHead(head_shape(config, settings.head_width), torch.tensor(kept, dtype=torch.long))
+    head = EagleHead(head_shape(config, settings.head_width), kept)
     lm_rows = head_weight(model)[head.kept_ids].float().detach().cpu()  # [N, H], frozen
 
     def embed(ids: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,12 @@ from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.speculative.autoregressive import chain_with_leaves
 from draftwise.speculative.heads.medusa import MedusaHeads
 from draftwise.speculative.heads.medusa_training import train_medusa
-from draftwise.speculative.heads.store import default_folder, read_head, save_head
-from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings
+from draftwise.speculative.heads.store import head_folder, read_head, save_head
+from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings, training_vocabulary
 from draftwise.speculative.proposer import CachelessProposer, Draft, Footprint
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
 from draftwise.speculative.sequence import SequenceState
-from draftwise.speculative.vocab_trim import head_weight, kept_token_ids, lm_rows_layer
+from draftwise.speculative.vocab_trim import head_weight, lm_rows_layer
 
 KIND = "medusa"
 
@@ -109,13 +109,7 @@ def load_heads(folder: Path, hidden_size: int, vocab_size: int) -> MedusaHeads:
 
 
 def build_medusa(target: Target, options: MedusaOptions) -> MedusaProposer:
-    folder = Path(options.head) if options.head else default_folder(KIND, target.name)
-    if not folder.is_dir():
-        if options.head:
-            raise InvalidParameterError(f"no Medusa head at {folder}")
-        raise InvalidParameterError(
-            f"no Medusa head trained for {target.name!r} (looked in {folder}); make one with: draftwise train-head "
-            f"--target {target.name} --kind {KIND} --data PROMPTS.jsonl")
+    folder = head_folder(KIND, "Medusa", target.name, options.head)
     model = target.runner.model
     heads = load_heads(folder, model.config.hidden_size, model.config.vocab_size).to(model.norm.weight.device)
     return MedusaProposer(heads, model.norm, lm_rows_layer(model, heads.kept_ids), model.config.num_hidden_layers - 1,
@@ -126,10 +120,8 @@ def train_medusa_head(model, tokenizer, target_name: str, examples: list[Example
                       folder: Path, notes: dict, progress: bool = True) -> TrainResult:
     """Heads over the answers' tokens and the most frequent others, trained and saved to `folder`."""
     config = model.config
-    answered = {int(t) for e in examples for t in e.token_ids[e.answer_start:]}
-    ranked = kept_token_ids(tokenizer, settings.kept_tokens).tolist()
-    kept = sorted(answered | set(ranked[:max(0, settings.kept_tokens - len(answered))]))
-    heads = MedusaHeads(config.hidden_size, settings.num_heads, torch.tensor(kept, dtype=torch.long))
+    kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
+    heads = MedusaHeads(config.hidden_size, settings.num_heads, kept)
     lm_rows = head_weight(model)[heads.kept_ids].float().detach().cpu()  # [N, H], frozen
     result = train_medusa(heads, lm_rows, examples, config.vocab_size, settings, folder / "checkpoint.pt", progress)
     save_head(folder, heads.state_dict(), {

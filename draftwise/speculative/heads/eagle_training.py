@@ -17,8 +17,6 @@ answer position, a chain drafted on the head's own features and cache.
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -29,7 +27,8 @@ from tqdm import tqdm
 
 from draftwise.speculative.heads.eagle import EagleHead, HeadKV
 from draftwise.speculative.heads.medusa_training import IGNORED, kept_index_map
-from draftwise.speculative.heads.training import EpochReport, Example, TrainResult, TrainSettings
+from draftwise.speculative.heads.training import (Checkpoint, EpochReport, Example, TrainResult, TrainSettings,
+                                                  split_heldout)
 
 TOKEN_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature loss
 NOISE = 0.1  # uniform noise on the input features, relative to their RMS
@@ -44,13 +43,7 @@ def train_eagle(head: EagleHead, lm_rows: torch.Tensor, embed: Callable[[torch.T
     # (features answered under inference mode cannot be saved for backward: such are copied)
     examples = [Example(e.token_ids, e.answer_start, e.hidden.clone()) if e.hidden.is_inference() else e
                 for e in examples]
-    rng = random.Random(settings.seed)
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    heldout_count = max(1, round(len(examples) * settings.heldout_share)) \
-        if settings.heldout_share > 0 and len(examples) > 1 else 0
-    heldout = [examples[i] for i in order[:heldout_count]]
-    train = [examples[i] for i in order[heldout_count:]] or heldout
+    train, heldout = split_heldout(examples, settings)
     heldout = heldout or train
     index = kept_index_map(head.kept_ids, vocab_size)
     with torch.no_grad():
@@ -61,14 +54,8 @@ def train_eagle(head: EagleHead, lm_rows: torch.Tensor, embed: Callable[[torch.T
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, len(groups) * settings.epochs))
     result = TrainResult(asdict(settings), train_positions=sum(_answer_positions(e) for e in train),
                          heldout_positions=sum(_answer_positions(e) for e in heldout))
-    first_epoch = 0
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        result.reports = [EpochReport(**report) for report in state["reports"]]
-        first_epoch = state["epoch"] + 1
+    checkpointed = Checkpoint(checkpoint, head, optimizer, schedule)
+    first_epoch = checkpointed.resume(result)
     generator = torch.Generator().manual_seed(settings.seed)
     for epoch in range(first_epoch, settings.epochs):
         head.train()
@@ -94,11 +81,7 @@ def train_eagle(head: EagleHead, lm_rows: torch.Tensor, embed: Callable[[torch.T
         if progress:
             print(f"epoch {epoch + 1}: loss {report.train_loss:.3f}, held-out acceptance by position "
                   + " ".join(f"{a:.2f}" for a in report.heldout_acceptance))
-        if checkpoint is not None:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(), "epoch": epoch,
-                        "reports": [asdict(r) for r in result.reports]}, checkpoint)
+        checkpointed.save(epoch, result)
     head.eval()
     return result
 

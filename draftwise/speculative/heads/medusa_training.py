@@ -12,7 +12,6 @@ drafted tokens would have accepted.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from draftwise.speculative.heads.medusa import MedusaHeads
-from draftwise.speculative.heads.training import EpochReport, Example, TrainResult, TrainSettings
+from draftwise.speculative.heads.training import (Checkpoint, EpochReport, Example, TrainResult, TrainSettings,
+                                                  split_heldout)
 
 IGNORED = -100  # a target position with nothing to learn
 
@@ -51,14 +51,7 @@ def kept_index_map(kept_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def train_medusa(heads: MedusaHeads, lm_rows: torch.Tensor, examples: list[Example], vocab_size: int,
                  settings: TrainSettings, checkpoint: Path | None = None, progress: bool = True) -> TrainResult:
     """Train `heads` in place; lm_rows [N, H] float: the target's LM head rows of heads.kept_ids."""
-    rng = random.Random(settings.seed)
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    # (no share, or a single example: acceptance is reported on the training examples themselves)
-    heldout_count = max(1, round(len(examples) * settings.heldout_share)) \
-        if settings.heldout_share > 0 and len(examples) > 1 else 0
-    heldout = [examples[i] for i in order[:heldout_count]]
-    train = [examples[i] for i in order[heldout_count:]] or heldout
+    train, heldout = split_heldout(examples, settings)
     index = kept_index_map(heads.kept_ids, vocab_size)
     train_x, train_y = positions(train, index, heads.num_heads)
     held_x, held_y = positions(heldout, index, heads.num_heads) if heldout else (train_x, train_y)
@@ -67,14 +60,8 @@ def train_medusa(heads: MedusaHeads, lm_rows: torch.Tensor, examples: list[Examp
                                   weight_decay=settings.weight_decay)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, steps_per_epoch * settings.epochs))
     result = TrainResult(asdict(settings), train_positions=len(train_x), heldout_positions=len(held_x))
-    first_epoch = 0
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        result.reports = [EpochReport(**report) for report in state["reports"]]
-        first_epoch = state["epoch"] + 1
+    checkpointed = Checkpoint(checkpoint, heads, optimizer, schedule)
+    first_epoch = checkpointed.resume(result)
     generator = torch.Generator().manual_seed(settings.seed)
     for epoch in range(first_epoch, settings.epochs):
         heads.train()
@@ -98,11 +85,7 @@ def train_medusa(heads: MedusaHeads, lm_rows: torch.Tensor, examples: list[Examp
         if progress:
             print(f"epoch {epoch + 1}: loss {report.train_loss:.3f}, held-out acceptance by position "
                   + " ".join(f"{a:.2f}" for a in report.heldout_acceptance))
-        if checkpoint is not None:
-            checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(), "epoch": epoch,
-                        "reports": [asdict(r) for r in result.reports]}, checkpoint)
+        checkpointed.save(epoch, result)
     heads.eval()
     return result
 

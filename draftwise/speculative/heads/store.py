@@ -25,6 +25,19 @@ def default_folder(kind: str, target: str) -> Path:
     return cache_root() / "heads" / kind / name
 
 
+def head_folder(kind: str, label: str, target: str, given: str | None) -> Path:
+    """The folder a drafter reads its head from: `given`, else the one trained for this target; a
+    missing one is an error naming what was looked for (and the command that makes one)."""
+    folder = Path(given) if given else default_folder(kind, target)
+    if folder.is_dir():
+        return folder
+    if given:
+        raise InvalidParameterError(f"no {label} head at {folder}")
+    raise InvalidParameterError(
+        f"no {label} head trained for {target!r} (looked in {folder}); make one with: draftwise train-head "
+        f"--target {target} --kind {kind} --data PROMPTS.jsonl")
+
+
 def save_head(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.detach().contiguous() for name, tensor in tensors.items()}, str(folder / WEIGHTS))

@@ -3,9 +3,14 @@ hidden states over it), settings, and per-epoch reports."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+from torch import nn
+
+from draftwise.speculative.vocab_trim import kept_token_ids
 
 
 @dataclass(slots=True)
@@ -46,3 +51,48 @@ class TrainResult:
     reports: list[EpochReport] = field(default_factory=list)
     train_positions: int = 0
     heldout_positions: int = 0
+
+
+def split_heldout(examples: list[Example], settings: TrainSettings) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples, drawn with the settings' seed. No share, or a single example:
+    nothing is held out (acceptance is then reported on the training examples)."""
+    order = list(range(len(examples)))
+    random.Random(settings.seed).shuffle(order)
+    count = max(1, round(len(examples) * settings.heldout_share)) \
+        if settings.heldout_share > 0 and len(examples) > 1 else 0
+    heldout = [examples[i] for i in order[:count]]
+    return [examples[i] for i in order[count:]] or heldout, heldout
+
+
+def training_vocabulary(examples: list[Example], tokenizer, size: int) -> torch.Tensor:
+    """[N] sorted ids a head scores: every token of the answers, then the most frequent others, ~size in all."""
+    answered = {int(t) for e in examples for t in e.token_ids[e.answer_start:]}
+    ranked = kept_token_ids(tokenizer, size).tolist()
+    return torch.tensor(sorted(answered | set(ranked[:max(0, size - len(answered))])), dtype=torch.long)
+
+
+class Checkpoint:
+    """A training run's state after each epoch (weights, optimizer, schedule, reports), so that an
+    interrupted run resumes from its last finished epoch. path None: nothing kept."""
+
+    def __init__(self, path: Path | None, module: nn.Module, optimizer, schedule) -> None:
+        self.path, self.module, self.optimizer, self.schedule = path, module, optimizer, schedule
+
+    def resume(self, result: TrainResult) -> int:
+        """Load the saved state if any (its reports into `result`); the first epoch left to run."""
+        if self.path is None or not self.path.is_file():
+            return 0
+        state = torch.load(self.path, weights_only=False)
+        self.module.load_state_dict(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        result.reports = [EpochReport(**report) for report in state["reports"]]
+        return state["epoch"] + 1
+
+    def save(self, epoch: int, result: TrainResult) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"weights": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "schedule": self.schedule.state_dict(), "epoch": epoch,
+                    "reports": [asdict(r) for r in result.reports]}, self.path)
