@@ -1,8 +1,13 @@
 """Building draftwise's native CPU kernels: C++ sources compiled with PyTorch's extension builder on
 first use (about a minute, once per machine, source and PyTorch version), kept in the cache.
 
-Each kernel family says which CPU flags it needs; where a flag or the compiler is missing, or
-DRAFTWISE_NATIVE_KERNELS=0, `build` returns None and its callers fall back to PyTorch's ops.
+A kernel family comes in builds, one per instruction set (`Build`: AVX-512 first, then AVX2); the
+first whose CPU flags this machine has is the one used. The builds of a family compute the same
+things but round differently, so a process uses one build for every pass (batch invariance holds
+within a build; its digest names it wherever results are cached). Where no build fits, the
+compiler is missing or DRAFTWISE_NATIVE_KERNELS=0, `build` returns None and callers fall back to
+PyTorch's ops. DRAFTWISE_NATIVE_ISA=avx2 takes the AVX2 builds on an AVX-512 machine (to compare
+or test them).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -19,8 +25,23 @@ import torch
 from draftwise.paths import cache_root
 
 NATIVE_ENV = "DRAFTWISE_NATIVE_KERNELS"
+ISA_ENV = "DRAFTWISE_NATIVE_ISA"
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    """One way to compile a kernel family: its sources, for CPUs with `required_flags`."""
+    isa: str  # "avx512", "avx2"
+    sources: tuple[Path, ...]
+    flags: tuple[str, ...]  # compiler flags
+    required_flags: tuple[str, ...]  # as /proc/cpuinfo names them
+    headers: tuple[Path, ...] = ()  # included by the sources (part of what names the build)
+
+    def digest(self) -> str:
+        """Names a build: its sources, headers and compiler flags."""
+        return source_digest([*self.sources, *self.headers], list(self.flags))
 
 
 @cache
@@ -35,16 +56,34 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def unavailable_reason(required_flags: tuple[str, ...]) -> str | None:
-    """Why kernels needing these CPU flags cannot be used here, or None if they can be built."""
+def chosen(builds: tuple[Build, ...]) -> Build | None:
+    """The first build this CPU can run (DRAFTWISE_NATIVE_ISA narrows the choice), or None."""
+    wanted = os.environ.get(ISA_ENV)
+    for candidate in builds:
+        if wanted and candidate.isa != wanted:
+            continue
+        if all(flag in cpu_flags() for flag in candidate.required_flags):
+            return candidate
+    return None
+
+
+def unavailable_reason(builds: tuple[Build, ...]) -> str | None:
+    """Why none of these builds can be used here, or None if one can be built."""
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return f"turned off by {NATIVE_ENV}=0"
-    missing = [flag for flag in required_flags if flag not in cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    if chosen(builds) is None:
+        needs = " or ".join(f"{b.isa} ({', '.join(b.required_flags)})" for b in builds)
+        return f"the CPU has none of {needs}" + (f" ({ISA_ENV}={os.environ[ISA_ENV]})" if os.environ.get(ISA_ENV) else "")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (install g++)"
     return None
+
+
+def chosen_digest(builds: tuple[Build, ...]) -> str:
+    """Names the build this machine uses ("none" where none is): caches of results key on it."""
+    if unavailable_reason(builds) is not None:
+        return "none"
+    return chosen(builds).digest()
 
 
 def source_digest(sources: list[Path], flags: list[str]) -> str:
@@ -52,21 +91,28 @@ def source_digest(sources: list[Path], flags: list[str]) -> str:
     return hashlib.sha256(b"".join(source.read_bytes() for source in sources) + " ".join(flags).encode()).hexdigest()[:12]
 
 
-def build(family: str, sources: list[Path], flags: list[str], required_flags: tuple[str, ...]):
-    """The compiled extension module of `sources`, or None where it cannot be had (logged)."""
-    reason = unavailable_reason(required_flags)
+def build(family: str, builds: tuple[Build, ...]):
+    """The compiled extension module of the build this machine takes, or None where none can be had (logged)."""
+    reason = unavailable_reason(builds)
     if reason is not None:
         log.info("native %s kernels not used: %s", family, reason)
         return None
+    return compile_build(family, chosen(builds))
+
+
+def compile_build(family: str, which: Build):
+    """One build compiled (or loaded from the cache), whatever this machine would choose; None if it fails."""
     from torch.utils import cpp_extension
 
-    digest = source_digest(sources, flags)
+    digest = which.digest()
     version = torch.__version__.replace("+", "-")
-    folder = cache_root() / "kernels" / f"{family}-{digest}-torch{version}"
+    folder = cache_root() / "kernels" / f"{family}-{which.isa}-{digest}-torch{version}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=f"draftwise_{family}_{digest}", sources=[str(source) for source in sources], extra_cflags=flags,
+        return cpp_extension.load(name=f"draftwise_{family}_{which.isa}_{digest}",
+                                  sources=[str(source) for source in which.sources], extra_cflags=list(which.flags),
                                   extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as error:  # a failed build must not stop the engine: PyTorch's ops remain
-        log.warning("native %s kernels failed to build, using PyTorch's: %s", family, str(error).splitlines()[0])
+        log.warning("native %s kernels (%s) failed to build, using PyTorch's: %s", family, which.isa,
+                    str(error).splitlines()[0])
         return None

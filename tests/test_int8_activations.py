@@ -9,7 +9,7 @@ import torch
 from draftwise.loading.hf_folder import load_model
 from draftwise.quant import activation_choice
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
-from draftwise.quant.native import kernels as native_kernels
+from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels
 from draftwise.runner.model_runner import ModelRunner
 from tests.test_quantization import verify_pass_and_single_steps
 from tests.tiny_models import write_tiny_model
@@ -82,6 +82,8 @@ def test_a_verification_pass_equals_single_steps_with_int8_activations(quantizat
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_cached_layer_in_the_other_layout_is_repacked_not_misread(kind, monkeypatch):
     """The packed-weight cache may hold the layout of an earlier choice: the layer takes today's."""
+    if not has_bf16_kernels():
+        pytest.skip("this machine's build has one layout (the int8-activation kernels only)")
     torch.manual_seed(5)
     weight = torch.randn(40, 128)
     build = (lambda: Int8Linear(weight, None)) if kind == "int8" else (lambda: Int4Linear(*quantize_int4_groups(weight), None))
@@ -97,6 +99,7 @@ def test_a_cached_layer_in_the_other_layout_is_repacked_not_misread(kind, monkey
 
 
 def test_the_choice_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(activation_choice, "has_bf16_kernels", lambda: True)  # (a build with both kernels)
     path = tmp_path / "choices.json"
     monkeypatch.setattr(activation_choice, "choices_path", lambda: path)
     activation_choice._choice.cache_clear()
@@ -119,8 +122,18 @@ def test_the_choice_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch)
     activation_choice._choice.cache_clear()
 
 
+def test_a_build_with_only_the_int8_activation_kernels_takes_them_without_measuring(monkeypatch):
+    """AVX2: no bf16 kernel to compare with, so every layer whose K fits takes int8 activations."""
+    monkeypatch.setattr(activation_choice, "has_bf16_kernels", lambda: False)
+    monkeypatch.setattr(activation_choice, "measure", lambda *shape: pytest.fail("measured"))
+    assert activation_choice.int8_activations("int4", 200, 256) and activation_choice.int8_activations("int8", 64, 96)
+    assert not activation_choice.int8_activations("int4", 200, 200)  # K not a multiple of 32: PyTorch's kernel
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_real_measurement_times_both_kernels(kind):
+    if not has_bf16_kernels():
+        pytest.skip("no bf16-activation kernels here (AVX-512 BF16 only)")
     result = activation_choice.measure(kind, 256, 512)
     assert set(result) == {"int8", "bf16 1", "int8 1", f"bf16 {activation_choice.VERIFY_ROWS}",
                            f"int8 {activation_choice.VERIFY_ROWS}"}

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: the backend every forward pass goes through.
 
-- native (`kernels/paged_attention.cpp`, CPU, fp32, AVX-512): every query of the pass in one call,
+- native (`kernels/paged_attention.h`, CPU, fp32, AVX-512 or AVX2): every query of the pass in one call,
   keys read in place through each row's block table, one fixed order of arithmetic per query; so a
   query's result never depends on how many queries or rows share the pass, for decode,
   verification, draft catch-up and prefill alike.
@@ -31,15 +31,19 @@ from draftwise import native
 from draftwise.cache import triton_attention
 
 PER_QUERY_MAX = 64
-SOURCE = Path(__file__).resolve().parent / "kernels" / "paged_attention.cpp"
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mfma"]
-REQUIRED_CPU_FLAGS = ("avx512f", "fma")
+KERNELS = Path(__file__).resolve().parent / "kernels"
+BUILDS = (
+    native.Build("avx512", (KERNELS / "paged_attention_avx512.cpp",), ("-O3", "-fopenmp", "-mavx512f", "-mfma"),
+                 ("avx512f", "fma"), (KERNELS / "paged_attention.h",)),
+    native.Build("avx2", (KERNELS / "paged_attention_avx2.cpp",), ("-O3", "-fopenmp", "-mavx2", "-mfma"),
+                 ("avx2", "fma"), (KERNELS / "paged_attention.h",)),
+)
 
 
 @cache
 def native_kernels():
     """The compiled paged-attention extension, or None where it cannot be had."""
-    return native.build("attention", [SOURCE], COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
+    return native.build("attention", BUILDS)
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

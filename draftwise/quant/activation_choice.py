@@ -1,6 +1,6 @@
 """Whether a quantized layer quantizes its activations to int8 (VNNI byte dot products) or keeps them
 in bf16: chosen per weight kind (int4, int8) and layer shape by timing both native kernels on this
-machine, once, and cached.
+machine, once, and cached. An AVX2 build has only the int8-activation kernels: it always takes them.
 
 Both kernels compute every row the same way whatever the number of rows, but not the same way as
 each other, so one layer uses one of them for every pass (decoding, verification, prefill alike):
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from draftwise.paths import cache_root
-from draftwise.quant.native import kernels, source_digest
+from draftwise.quant.native import has_bf16_kernels, kernels, source_digest
 
 ACTIVATIONS_ENV = "DRAFTWISE_INT8_ACTIVATIONS"
 ACTIVATION_BLOCK = 32  # the kernels quantize activations in groups of this many inputs
@@ -45,6 +45,8 @@ def int8_activations(kind: str, out_features: int, in_features: int) -> bool:
     on this machine."""
     if os.environ.get(ACTIVATIONS_ENV, "1") == "0" or kernels() is None or in_features % ACTIVATION_BLOCK:
         return False
+    if not has_bf16_kernels():  # an AVX2 build: the int8-activation kernels are its only ones
+        return True
     return _choice(kind, out_features, in_features)
 
 

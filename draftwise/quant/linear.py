@@ -4,7 +4,7 @@ int4: groups of 32 input weights share a scale and a minimum (asymmetric), weigh
 int8: one scale per output channel (symmetric), weight = scale * q.
 
 Two kernel paths, chosen once per layer at construction:
-  - native (quant/native.py, AVX-512 BF16): every weight dequantized once for all rows, so a
+  - native bf16 (quant/native.py, AVX-512 BF16): every weight dequantized once for all rows, so a
     forward over k+1 rows costs little more than over one; int4 weights in the kernel's own
     layout (`pack_for_native`: channel quads, pairs of groups, fp16 scales and minimums);
   - PyTorch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) everywhere
@@ -15,9 +15,10 @@ activations (a generic path). So activations are rounded to bf16 on the way in a
 returns in the caller's dtype. Both paths compute every row the same way whatever the number of rows.
 
 Both kinds may instead quantize their activations to int8 per group of 32 inputs and multiply
-with VNNI byte dot products (`int4_matmul_q8`, `int8_matmul_q8`; weights in strips of 16 channels:
-`pack_strips`, `pack_int8_strips`), where that measured faster on this machine for the layer's
-shape (`activation_choice`; one kernel per layer for every pass, so that rows stay independent).
+with byte dot products (`int4_matmul_q8`, `int8_matmul_q8`: VNNI on AVX-512, vpmaddubsw on AVX2;
+weights in strips of 16 channels: `pack_strips`, `pack_int8_strips`), where that measured faster on
+this machine for the layer's shape, and always on AVX2, which has no other native kernel
+(`activation_choice`; one kernel per layer for every pass, so that rows stay independent).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from draftwise.quant import native_ops
 from draftwise.quant.activation_choice import int8_activations
-from draftwise.quant.native import kernels as native_kernels
+from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels
 
 INT4_GROUP = 32
 NATIVE_K_MULTIPLE = 64  # the native kernels take input features in pairs of groups
@@ -47,7 +48,7 @@ class Int4Linear(nn.Module):
         if self.int8_activations:
             self.strips = pack_strips(quants, scales, minimums)
             return
-        if self.kernels is not None and self.in_features % NATIVE_K_MULTIPLE == 0:
+        if self.kernels is not None and self.in_features % NATIVE_K_MULTIPLE == 0 and has_bf16_kernels():
             self.nibbles, self.scale_min = pack_for_native(quants, scales, minimums)
             return
         self.kernels = None
@@ -72,7 +73,7 @@ class Int4Linear(nn.Module):
             raise ValueError("packed for the native kernels, which are not available")
         n, k = (int(v) for v in state["shape"])
         if int8_activations("int4", n, k) != ("strips" in state):  # measured again since: the other layout
-            return cls(*_unpacked(state, n, k), bias)
+            return cls(*_unpacked(state, n, k), bias)  # (or no bf16 kernel here: PyTorch's)
         layer.kernels, layer.out_features, layer.in_features = native_kernels(), n, k
         layer.int8_activations = "strips" in state
         if layer.int8_activations:
@@ -144,6 +145,8 @@ class Int8Linear(nn.Module):
         native_ok = native and self.in_features % NATIVE_K_MULTIPLE == 0
         self.kernels = native_kernels() if native_ok else None
         self.int8_activations = self.kernels is not None and int8_activations("int8", self.out_features, self.in_features)
+        if not self.int8_activations and not has_bf16_kernels():
+            self.kernels = None  # (an AVX2 build has the int8-activation kernel only: PyTorch's then)
         self.scales_float = self.scales.float()  # [N], what the native kernels take
         if self.int8_activations:
             self.strips = strips if strips is not None else pack_int8_strips(self.weight_int8)

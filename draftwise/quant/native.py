@@ -1,10 +1,14 @@
-"""The native low-bit matmul kernels (kernels/lowbit_matmul.cpp: bf16 activations; kernels/q8_matmul.cpp:
-int8 activations), compiled on first use (`draftwise/native.py`).
+"""The native low-bit matmul kernels, compiled on first use (`draftwise/native.py`), one build per CPU:
 
-The kernels need AVX-512 with BF16 and VNNI dot products (every CPU with the first has the second)
-and a C++ compiler. Where any of that is missing, `kernels()` returns None and the quantized layers
-use PyTorch's packed kernels instead: same weights, a different (slower for several rows) path.
-Set DRAFTWISE_NATIVE_KERNELS=0 to turn the native path off.
+- AVX-512 (with BF16 and VNNI dot products: Zen 4, Sapphire Rapids and later; every CPU with the
+  first has the second): kernels/lowbit_matmul.cpp (bf16 activations: `int4_matmul`, `int8_matmul`)
+  and kernels/q8_matmul.cpp (int8 activations: `int4_matmul_q8`, `int8_matmul_q8`);
+- AVX2 (with FMA and F16C: Zen 2/3, Haswell and later): kernels/q8_matmul_avx2.cpp, the int8-
+  activation kernels only (`int4_matmul_q8`, `int8_matmul_q8`), on the same packed weights.
+
+Where neither fits or a compiler is missing, `kernels()` returns None and the quantized layers use
+PyTorch's packed kernels instead: same weights, a different (slower) path. Set
+DRAFTWISE_NATIVE_KERNELS=0 to turn the native path off.
 """
 
 from __future__ import annotations
@@ -14,23 +18,33 @@ from pathlib import Path
 
 from draftwise import native
 
-SOURCES = [Path(__file__).resolve().parent / "kernels" / name for name in ("lowbit_matmul.cpp", "q8_matmul.cpp")]
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma")
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
+KERNELS = Path(__file__).resolve().parent / "kernels"
+BUILDS = (
+    native.Build("avx512", (KERNELS / "lowbit_matmul.cpp", KERNELS / "q8_matmul.cpp"),
+                 ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"),
+                 ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "fma")),
+    native.Build("avx2", (KERNELS / "q8_matmul_avx2.cpp",), ("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
+                 ("avx2", "f16c", "fma")),
+)
 
 
 def unavailable_reason() -> str | None:
     """Why the native kernels cannot be used here, or None if they can be built."""
-    return native.unavailable_reason(REQUIRED_CPU_FLAGS)
+    return native.unavailable_reason(BUILDS)
 
 
 def source_digest() -> str:
     """Names a build and the weight layouts it reads (the packed-weight cache is keyed by it)."""
-    return native.source_digest(SOURCES, COMPILE_FLAGS)
+    return native.chosen_digest(BUILDS)
 
 
 @cache
 def kernels():
-    """The compiled extension module (int4_matmul, int4_matmul_q8, int8_matmul, int8_matmul_q8), or None where it cannot be had."""
-    return native.build("lowbit", SOURCES, COMPILE_FLAGS, REQUIRED_CPU_FLAGS)
+    """The compiled extension module (int4_matmul_q8, int8_matmul_q8, and on AVX-512 int4_matmul and
+    int8_matmul), or None where it cannot be had."""
+    return native.build("lowbit", BUILDS)
 
+
+def has_bf16_kernels() -> bool:
+    """Whether this machine's build has the bf16-activation kernels (AVX-512 only)."""
+    return kernels() is not None and hasattr(kernels(), "int4_matmul")

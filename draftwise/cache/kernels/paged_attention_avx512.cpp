@@ -1,35 +1,5 @@
-// Causal attention of any number of queries over a paged KV cache, fp32, on the CPU, with one fixed
-// order of arithmetic per query: a query's result depends on its own row's keys and values and its
-// position, never on how many other queries or rows share the call.
-//
-// Why: speculation is lossless bit for bit only if verifying k tokens computes what k one-token
-// steps compute. A batched SDPA call rounds differently with the number of queries in it (its GEMM
-// takes other kernels for small M), so until now each query was a call of its own, from Python:
-// 28 layers x (k + 1) x rows calls per step. Here every query of a step is one task of one call, for
-// decode, verification, draft catch-up and prefill alike, and the keys are read in place through
-// the rows' block tables (no gather into a contiguous copy).
-//
-// Per query n (row b, position p) and head h (kv head g = h / (Hq / Hkv)); one task per (n, g) runs
-// the group's heads together, so each block of keys and values is read once for all of them:
-//   s_t = scale * <q_n,h , k_b,t,g>          t = 0..p   (dot over D in 16-lane blocks, lanes summed in a fixed tree)
-//   m = max_t s_t,  e_t = exp(s_t - m) (16 at a time),  l = sum of the e_t (16 lanes, then a fixed tree)
-//   out_n,h = (sum_t e_t v_b,t,g) / l        (accumulated in t order, 16 lanes of D at a time)
-//
-// Layouts (all contiguous)
-//   q            float [N, Hq, D]       D a multiple of 16
-//   keys, values float [slots, Hkv, D]   one layer's paged storage, slots = blocks x block_size
-//   block_tables int64 [B, W]            each row's blocks in position order: key position t of row b is in
-//                                        slot block_tables[b, t / block_size] * block_size + t % block_size
-//   query_rows   int64 [N]               the row of each query
-//   positions    int64 [N]               the position of each query (it sees keys 0..position)
-//   path_start   int64 [N]               token trees (else both empty): key positions t >= path_start[n] of
-//   path         int64 [N, T]            query n are read from position path[n, t - path_start[n]] (its
-//                                        ancestors in the tree, then itself, stored wherever the pass put them)
-//   out          float [N, Hq, D]
-//
-// A tree node at depth d thus attends exactly the keys a chain query at the same position attends in a
-// chain made of its ancestors, in the same order, with the same arithmetic: verifying a tree computes,
-// along every root path, what verifying that path alone computes, bit for bit.
+// Causal attention over a paged KV cache on AVX-512 (16 lanes): the algorithm, the layouts and why
+// one fixed order of arithmetic per query are in paged_attention.h, which this file ends by including.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -162,56 +132,4 @@ void attend_group(const float* q, const float* keys, const float* values, const 
 
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor block_tables,
-                              int64_t block_size, torch::Tensor query_rows, torch::Tensor positions,
-                              torch::Tensor path_start, torch::Tensor path, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32,
-              "paged_attention: fp32 only");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && block_tables.is_contiguous(),
-              "paged_attention: contiguous tensors only");
-  const int64_t num_queries = q.size(0), num_heads = q.size(1), d = q.size(2);
-  const int64_t num_kv_heads = keys.size(1), table_width = block_tables.size(1) * block_size;
-  TORCH_CHECK(d % 16 == 0 && d <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads must group over kv heads");
-  auto out = torch::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = keys.data_ptr<float>();
-  const float* v_ptr = values.data_ptr<float>();
-  const int64_t* table_ptr = block_tables.data_ptr<int64_t>();
-  const int64_t* row_ptr = query_rows.data_ptr<int64_t>();
-  const int64_t* pos_ptr = positions.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t group = num_heads / num_kv_heads;
-  const bool tree = path.numel() > 0;
-  const int64_t path_width = tree ? path.size(1) : 0;
-  const int64_t* start_ptr = tree ? path_start.data_ptr<int64_t>() : nullptr;
-  const int64_t* path_ptr = tree ? path.data_ptr<int64_t>() : nullptr;
-  TORCH_CHECK(!tree || (path.is_contiguous() && path.size(0) == num_queries && path_start.numel() == num_queries),
-              "paged_attention: path must be [N, T] with path_start [N]");
-  for (int64_t n = 0; n < num_queries; ++n) {
-    TORCH_CHECK(pos_ptr[n] >= 0 && pos_ptr[n] < table_width, "paged_attention: a position past its row's block table");
-    if (tree) {
-      TORCH_CHECK(start_ptr[n] >= 0 && pos_ptr[n] - start_ptr[n] < path_width, "paged_attention: a path too short");
-      for (int64_t t = start_ptr[n]; t <= pos_ptr[n]; ++t) {
-        const int64_t stored = path_ptr[n * path_width + t - start_ptr[n]];
-        TORCH_CHECK(stored >= 0 && stored < table_width, "paged_attention: a path entry past its row's block table");
-      }
-    }
-  }
-  TORCH_CHECK(group <= 64, "paged_attention: at most 64 query heads per kv head");
-  at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * ((table_width + 15) / 16 * 16 + d));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / num_kv_heads, g = task % num_kv_heads;
-      const int64_t first_head = n * num_heads + g * group;
-      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table_ptr + row_ptr[n] * block_tables.size(1), block_size,
-                   pos_ptr[n], tree ? path_ptr + n * path_width : nullptr, tree ? start_ptr[n] : 0, g, num_kv_heads,
-                   group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
-    }
-  });
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache, batch-invariant (fp32)");
-}
+#include "paged_attention.h"
