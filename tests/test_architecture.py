@@ -105,6 +105,7 @@ NOT_DRAFTER_NAMES = {
     ("server/requests.py", "suffix"),  # the OpenAI completions field (fill-in-the-middle)
     ("benchmark/hostile_requests.py", "suffix"),  # the same field, sent by the hostile client
     ("speculative/heads/eagle_format.py", "eagle"),  # speculators' model type for EAGLE-1 (a file format's field)
+    ("speculative/heads/eagle3_format.py", "eagle3"),  # speculators' model type and algorithm for EAGLE-3
 }
 
 

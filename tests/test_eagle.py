@@ -90,8 +90,8 @@ def test_the_head_reads_the_target_features_at_every_committed_position(trained_
     assert llm.spec_metrics.num_accepted_tokens > 0 and llm.spec_metrics.num_draft_tokens > \
         llm.spec_metrics.num_accepted_tokens  # some drafts were rejected, some kept
     tokens = list(out.prompt_token_ids) + list(out.token_ids)
-    features = proposer.norm(torch.cat(handed))  # [N-1, H]: the last token was never fed
-    expected = hidden_states(llm, tokens)[:-1]
+    features = proposer.to_features(torch.cat(handed))  # [N-1, H]: the last token was never fed
+    expected = hidden_states(llm, tokens)[0][:-1]
     assert features.shape == expected.shape
     # Equal up to the kernels' rounding (an incremental pass and a whole one multiply in other shapes);
     # a feature one position off would differ by the features' own size.

@@ -63,6 +63,9 @@ class DrafterSpec:
     # target name, examples, `heads.training.TrainSettings`, folder, notes for its config, progress)
     # -> `TrainResult`, the head written to the folder. None: nothing to train.
     train: Callable | None = None
+    # The target layers (0-based) whose residual streams, after them, its training reads beside the
+    # last normed one: (target model config) -> layers. Captured while the target answers (`Example.aux`).
+    train_layers: Callable[[Any], tuple[int, ...]] | None = None
 
     def parse_options(self, values: dict | Any | None) -> Any:
         """The drafter's options from a dict (unknown names refused), an instance, or None (defaults)."""

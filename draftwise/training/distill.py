@@ -28,14 +28,17 @@ from draftwise.speculative.heads.training import Example
 FORMAT = 1  # bump when what an example holds changes
 
 
-def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True) -> list[Example]:
-    """One example per prompt: the target's greedy answer and its hidden states over it all."""
+def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True,
+            aux_layers: tuple[int, ...] = ()) -> list[Example]:
+    """One example per prompt: the target's greedy answer and its hidden states over it all (and the
+    residual streams after `aux_layers`, side by side, where a head's training reads them)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     examples = []
     for prompt in tqdm(prompts, desc="target answers", disable=not progress, unit="prompt"):
         output = llm.generate(prompt, params)[0]
         ids = list(output.prompt_token_ids) + list(output.token_ids)
-        examples.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden_states(llm, ids)))
+        hidden, aux = hidden_states(llm, ids, aux_layers)
+        examples.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
     return examples
 
 
@@ -43,19 +46,22 @@ def distilled_folder() -> Path:
     return cache_root() / "distilled"
 
 
-def distill_cached(llm: LLM, key: dict, prompts: list, max_tokens: int,
-                   progress: bool = True) -> tuple[list[Example], Path]:
+def distill_cached(llm: LLM, key: dict, prompts: list, max_tokens: int, progress: bool = True,
+                   aux_layers: tuple[int, ...] = ()) -> tuple[list[Example], Path]:
     """`distill`, read from the cache when the same target (as `key` describes its loading) answered
-    the same prompts before; written there otherwise. Returns the examples and the cache file."""
-    identity = json.dumps({"format": FORMAT, "model": key, "prompts": prompts, "max_tokens": max_tokens},
-                          sort_keys=True, default=str)
+    the same prompts before (with the same layers read); written there otherwise. Returns the
+    examples and the cache file."""
+    described = {"format": FORMAT, "model": key, "prompts": prompts, "max_tokens": max_tokens}
+    if aux_layers:
+        described["aux_layers"] = list(aux_layers)
+    identity = json.dumps(described, sort_keys=True, default=str)
     path = distilled_folder() / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".safetensors")
     if path.is_file():
         try:
             return read_examples(path), path
         except (OSError, SafetensorError, KeyError, ValueError):
             path.unlink(missing_ok=True)  # a torn write: answer again
-    examples = distill(llm, prompts, max_tokens, progress)
+    examples = distill(llm, prompts, max_tokens, progress, aux_layers)
     write_examples(path, examples)
     return examples, path
 
@@ -68,6 +74,8 @@ def write_examples(path: Path, examples: list[Example]) -> None:
     tensors = {"token_ids": torch.cat([e.token_ids for e in examples]).long(),  # [sum S]
                "hidden": torch.cat([e.hidden for e in examples]).float().contiguous(),  # [sum S, H]
                "lengths": lengths, "answer_starts": torch.tensor([e.answer_start for e in examples])}
+    if examples[0].aux is not None:
+        tensors["aux"] = torch.cat([e.aux for e in examples]).contiguous()  # [sum S, L*H] bfloat16
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial))
     partial.replace(path)
@@ -76,15 +84,19 @@ def write_examples(path: Path, examples: list[Example]) -> None:
 def read_examples(path: Path) -> list[Example]:
     tensors = load_file(str(path))
     bounds = [0, *torch.cumsum(tensors["lengths"], 0).tolist()]
-    return [Example(tensors["token_ids"][a:b], int(start), tensors["hidden"][a:b])
+    aux = tensors.get("aux")
+    return [Example(tensors["token_ids"][a:b], int(start), tensors["hidden"][a:b], None if aux is None else aux[a:b])
             for a, b, start in zip(bounds, bounds[1:], tensors["answer_starts"].tolist())]
 
 
 @torch.inference_mode()
-def hidden_states(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """[S, H] the target's last hidden states over `token_ids` (teacher-forced, one pass, no cache)."""
+def hidden_states(llm: LLM, token_ids: list[int],
+                  aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[S, H] the target's last hidden states over `token_ids` after its final norm (teacher-forced,
+    one pass, no cache), and [S, L*H] bfloat16 its residual streams after `aux_layers` (None without)."""
     model = llm.model
     tokens = torch.tensor([token_ids], device=model.norm.weight.device)  # [1, S]
     positions = torch.arange(len(token_ids), device=tokens.device)[None]  # [1, S]
-    hidden, _ = model.hidden_states(tokens, positions)
-    return model.norm(hidden)[0].float().cpu()
+    hidden, captured = model.hidden_states(tokens, positions, capture_layers=tuple(aux_layers))
+    aux = torch.cat([captured[layer][0] for layer in aux_layers], dim=-1).to(torch.bfloat16).cpu() if aux_layers else None
+    return model.norm(hidden)[0].float().cpu(), aux

@@ -34,10 +34,12 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
     items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)
     if not items:
         raise InvalidParameterError(f"{data}: no prompts to train on")
+    spec = specs[kind]
+    aux_layers = spec.train_layers(llm.model.config) if spec.train_layers is not None else ()
     examples, cached = distill_cached(llm, {"target": target, **model_keywords}, [item.prompt for item in items],
-                                      max_tokens, progress)
+                                      max_tokens, progress, aux_layers)
     if progress:
         print(f"target answers: {cached}")
     notes = {"data": str(data), "prompts": len(examples), "max_tokens": max_tokens}
-    result = specs[kind].train(llm.model, llm.tokenizer, target, examples, settings, folder, notes, progress)
+    result = spec.train(llm.model, llm.tokenizer, target, examples, settings, folder, notes, progress)
     return folder, result

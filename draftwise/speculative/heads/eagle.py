@@ -111,7 +111,7 @@ class EagleHead(nn.Module):
         k = k.view(seq, shape.num_kv_heads, shape.head_dim).transpose(0, 1)[None]  # [1, Hkv, S, D]
         v = v.view(seq, shape.num_kv_heads, shape.head_dim).transpose(0, 1)[None]
         cos, sin = rotary_cos_sin(positions[None], shape.head_dim, shape.rope_theta, x.dtype)  # [1, 1, S, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [1, Hq, S, D]
         else:
@@ -140,7 +140,7 @@ class EagleHead(nn.Module):
         k = k.view(rows, shape.num_kv_heads, 1, shape.head_dim)  # [R, Hkv, 1, D]
         v = v.view(rows, shape.num_kv_heads, 1, shape.head_dim)
         cos, sin = rotary_cos_sin(positions[:, None], shape.head_dim, shape.rope_theta, x.dtype)  # [R, 1, 1, D]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         for r, cache in enumerate(caches):
             cache.append(k[r], v[r])
         longest = max(cache.length for cache in caches)
@@ -166,7 +166,7 @@ class EagleHead(nn.Module):
         return HeadKV(self.shape.num_kv_heads, self.shape.head_dim, self.fc.weight.dtype, self.fc.weight.device)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in plain torch ops (the model's native op has no gradient): x [1, H, S, D]."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in plain torch ops (the model's native op has no gradient): x [B, H, S, D]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -9,8 +9,8 @@ used). What only draftwise needs (the kept vocabulary, how it was trained) sits 
 
 Read: that layout (ours or one trained elsewhere for the same target), and speculators' EAGLE-1
 format (`"speculators_model_type": "eagle"`, speculators 0.1-0.3: `fusion_fc.*`, `transformer.*`).
-Refused by name: EAGLE-3 (`"eagle3"`: fused low/middle/high features, not built here), and the
-HASS variants (`layernorms`, `fusion_bias`), which this head does not compute.
+Refused by name: EAGLE-3 (`"eagle3"`: fused low/middle/high features, its own format:
+`eagle3_format.py`), and the HASS variants (`layernorms`, `fusion_bias`), which this head does not compute.
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def _from_speculators(folder: Path, config: dict, tensors: dict) -> tuple[dict, 
     """speculators' EAGLE-1 names and layer config, as vLLM's layout has them."""
     kind = config.get("speculators_model_type")
     if kind == SPECULATORS_EAGLE1 + "3":
-        raise InvalidParameterError(f"{folder}: an EAGLE-3 head (fused low, middle and high features); draftwise "
-                                    "serves EAGLE-1 heads only")
+        raise InvalidParameterError(f"{folder}: an EAGLE-3 head (fused low, middle and high features): serve it "
+                                    "with the EAGLE-3 drafter, not the EAGLE-1 one")
     if kind != SPECULATORS_EAGLE1:
         raise InvalidParameterError(f"{folder}: a speculators {kind!r} model, not an EAGLE head")
     for variant in ("layernorms", "fusion_bias"):

@@ -18,6 +18,9 @@ class Example:
     token_ids: torch.Tensor  # [S] prompt + answer
     answer_start: int  # index of the answer's first token
     hidden: torch.Tensor  # [S, H] float32, after the final norm: position t predicts token t + 1
+    # [S, L*H] bfloat16: the residual streams after the layers a head's training asked for
+    # (`DrafterSpec.train_layers`), side by side; None: none asked for
+    aux: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
