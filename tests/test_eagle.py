@@ -14,6 +14,7 @@ from draftwise import LLM, SamplingParams
 from draftwise.errors import InvalidParameterError
 from draftwise.speculative.heads.eagle import EagleHead
 from draftwise.speculative.heads.eagle_format import read_eagle, save_eagle
+from draftwise.speculative.heads.head_proposer import TREE_NODES
 from draftwise.speculative.heads.training import TrainSettings
 from draftwise.training.distill import hidden_states
 from draftwise.training.train_head import train_head
@@ -177,9 +178,12 @@ def test_trees_for_greedy_and_seeded_rows_only(trained_head, tiny_qwen):
             Row("sampled", SamplingParams(temperature=0.8))]
     greedy, seeded, sampled = proposer.propose(rows, [3, 3, 3])
     assert greedy.parents is not None and seeded.parents is not None and sampled.parents is None
-    assert greedy.kept_nodes == 3 and len(greedy.token_ids) == 3 + 3 * 2
-    assert greedy.token_ids[:3] == sampled.token_ids  # the chain is the head's best at each step
-    assert all(a >= b for a, b in zip(greedy.scores[3:], greedy.scores[4:]))  # leaves best first
+    # EAGLE-2's expansion: 3 children of the root, then 3 of each of the best 3 nodes, twice
+    assert len(greedy.token_ids) == min(3 + 9 + 9, TREE_NODES) and greedy.depth() == 3
+    assert all(p < i for i, p in enumerate(greedy.parents))
+    assert all(a >= b for a, b in zip(greedy.scores, greedy.scores[1:]))  # best first
+    assert all(greedy.scores[i] <= greedy.scores[p] for i, p in enumerate(greedy.parents) if p >= 0)
+    assert greedy.first_children().token_ids == sampled.token_ids  # the best path is the head's chain
 
 
 def test_the_command_trains_an_eagle_head(tiny_qwen, tmp_path):

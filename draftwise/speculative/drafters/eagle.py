@@ -31,8 +31,8 @@ DEFAULT_KEPT = 32768  # the vocabulary a head trained elsewhere scores (the most
 class EagleOptions:
     head: str | None = option(None, "an EAGLE head folder (`draftwise train-head --kind eagle`); default: "
                                     "the one trained for this target", cost=True)
-    eagle_branches: int = option(1, "candidates per drafted position: > 1 drafts a tree (the chain and leaves "
-                                    "beside it)", cost=True)
+    eagle_branches: int = option(1, "> 1: EAGLE-2 trees: at each depth the best eagle_branches nodes each get "
+                                  "that many children (at most 16 nodes; the engine verifies what pays)", cost=True)
 
     def __post_init__(self) -> None:
         if self.head is not None and not isinstance(self.head, str):

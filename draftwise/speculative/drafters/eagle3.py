@@ -33,8 +33,8 @@ KIND = "eagle3"
 class Eagle3Options:
     head: str | None = option(None, "an EAGLE-3 head folder (speculators' format; `draftwise train-head --kind "
                                     "eagle3`); default: the one trained for this target", cost=True)
-    eagle3_branches: int = option(1, "candidates per drafted position: > 1 drafts a tree (the chain and leaves "
-                                     "beside it)", cost=True)
+    eagle3_branches: int = option(1, "> 1: EAGLE-2 trees: at each depth the best eagle3_branches nodes each get "
+                                  "that many children (at most 16 nodes; the engine verifies what pays)", cost=True)
 
     def __post_init__(self) -> None:
         if self.head is not None and not isinstance(self.head, str):

@@ -8,8 +8,13 @@ them: its catch-up, writing its cache), then drafts on its own predictions, one 
 all rows at once. Drafted positions leave the cache when the draft is made: once verified, their
 true features come back from the target and take their place.
 
-Trees: each drafted position also offers its next candidates as leaves beside the chain (greedy
-and seeded rows), the draft model's shape (`autoregressive.chain_with_leaves`).
+Trees (greedy and seeded rows, `branches` > 1): EAGLE-2's confidence-driven expansion (Li et al.
+2024b). Every node is scored with the product of the head's probabilities along its path, its
+estimate of being accepted; at each depth the `branches` best-scored nodes of the newest level each
+get their `branches` most probable children, from one head call over all of them (each attends the
+request's cache plus its own ancestors). The tree goes out best first, at most TREE_NODES nodes
+(a child never scores above its parent, so every prefix is a tree); the engine verifies the prefix
+that pays on the measured cost curve (`control/tree_shape.py`). Unseeded sampled rows draft chains.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from typing import Protocol
 
 import torch
 
-from draftwise.speculative.autoregressive import chain_with_leaves
 from draftwise.speculative.heads.eagle import HeadKV
 from draftwise.speculative.proposer import Draft, Footprint
 from draftwise.speculative.sequence import SequenceState
 
 LONGEST_DRAFT = 8  # the deepest chain a head is asked for (its acceptance falls with depth)
+TREE_NODES = 16  # the most nodes a tree offers (EAGLE-2's budget, cut to a CPU's; the engine verifies what pays)
 
 
 class FeatureHead(Protocol):
@@ -86,46 +91,85 @@ class HeadProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
-        """Each row's catch-up on its own (lengths differ), then the drafting steps of all rows at once."""
+        """Each row's catch-up on its own (lengths differ); then the chains' drafting steps, all rows at
+        once, and each tree row's expansion."""
         drafts = [Draft([]) for _ in seqs]
         wanted = [b for b, k in enumerate(num_tokens) if k > 0]
         if not wanted:
             return drafts
-        caught_up = [self._catch_up(seqs[b]) for b in wanted]
+        caught_up = {b: self._catch_up(seqs[b]) for b in wanted}
+        trees = [b for b in wanted if self.branches > 1
+                 and not (seqs[b].params.temperature > 0 and seqs[b].params.seed is None)]
+        for b in trees:
+            drafts[b] = self._tree(seqs[b], *caught_up[b], num_tokens[b])
+        chains = [b for b in wanted if b not in trees]
+        if chains:
+            drafted = self._chains([seqs[b] for b in chains], [caught_up[b] for b in chains],
+                                   [num_tokens[b] for b in chains])
+            for b, tokens in zip(chains, drafted):
+                drafts[b] = Draft(tokens)
+        return drafts
+
+    def _chains(self, seqs: list[SequenceState], caught_up: list[tuple[torch.Tensor, HeadKV]],
+                num_tokens: list[int]) -> list[list[int]]:
+        """The head's greedy chain for each row, its drafting steps over all rows at once."""
         predicted = torch.stack([p for p, _ in caught_up])  # [R, H]
         caches = [cache for _, cache in caught_up]
         committed = [cache.length for cache in caches]
-        trees = [self.branches > 1 and not (seqs[b].params.temperature > 0 and seqs[b].params.seed is None)
-                 for b in wanted]
-        chains: list[list[int]] = [[] for _ in wanted]
-        confidences: list[list[float]] = [[] for _ in wanted]
-        leaves: list[list] = [[] for _ in wanted]
-        live = list(range(len(wanted)))  # rows still drafting
-        kept_ids = self.head.kept_ids
+        chains: list[list[int]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))  # rows still drafting
         for j in range(max(num_tokens)):
-            logits = self.logits(predicted)  # [live, N]
-            if any(trees[r] for r in live):
-                top_probs, top_index = logits.softmax(dim=-1).topk(self.branches, dim=-1)  # [live, branches]
-                top_tokens, top_probs = kept_ids[top_index].tolist(), top_probs.tolist()
-            best = kept_ids[logits.argmax(dim=-1)].tolist()  # [live]
+            best = self.head.kept_ids[self.logits(predicted).argmax(dim=-1)].tolist()  # [live]
             for i, r in enumerate(live):
-                if trees[r]:  # (the chain's token is the first candidate, whatever a tie does)
-                    chains[r].append(top_tokens[i][0])
-                    confidences[r].append(top_probs[i][0])
-                    leaves[r].append([(token, q, None) for token, q in zip(top_tokens[i][1:], top_probs[i][1:])])
-                else:
-                    chains[r].append(best[i])
-            going = [i for i, r in enumerate(live) if j + 1 < num_tokens[wanted[r]]]
+                chains[r].append(best[i])
+            going = [i for i, r in enumerate(live) if j + 1 < num_tokens[r]]
             if not going:
                 break
             live = [live[i] for i in going]
             embeddings = self.embed(torch.tensor([chains[r][-1] for r in live], device=self.device)).float()  # [live, H]
-            positions = torch.tensor([len(seqs[wanted[r]].token_ids) - 1 + j for r in live], device=self.device)
+            positions = torch.tensor([len(seqs[r].token_ids) - 1 + j for r in live], device=self.device)
             predicted = self.head.step(predicted[going], embeddings, positions, [caches[r] for r in live])
-        for r, b in enumerate(wanted):
-            caches[r].truncate(committed[r])  # drafted positions: their true features come with the verification
-            drafts[b] = chain_with_leaves(chains[r], confidences[r], leaves[r], []) if trees[r] else Draft(chains[r])
-        return drafts
+        for cache, length in zip(caches, committed):
+            cache.truncate(length)  # drafted positions: their true features come with the verification
+        return chains
+
+    def _tree(self, seq: SequenceState, predicted: torch.Tensor, cache: HeadKV, depth: int) -> Draft:
+        """EAGLE-2's expansion to `depth` from the head's feature [H] at the newest position, best first."""
+        width, kept_ids = self.branches, self.head.kept_ids
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        levels: list[int] = []
+        features: dict[int, torch.Tensor] = {-1: predicted}  # node -> the head's output at it [H] (-1: the root)
+        caches: dict[int, HeadKV] = {-1: cache}  # node -> the request's cache plus the node's path
+
+        def add_children(nodes: list[int], outputs: torch.Tensor) -> list[int]:
+            top_probs, top_index = self.logits(outputs).softmax(dim=-1).topk(width, dim=-1)  # [n, width]
+            added = []
+            for node, probs, index in zip(nodes, top_probs.tolist(), kept_ids[top_index].tolist()):
+                for q, token in zip(probs, index):
+                    added.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(node)
+                    scores.append((scores[node] if node >= 0 else 1.0) * q)
+                    levels.append(levels[node] + 1 if node >= 0 else 0)
+            return added
+
+        frontier = add_children([-1], predicted[None])
+        newest = len(seq.token_ids) - 1  # a depth-d node's entry sits at position newest + d
+        for level in range(1, depth):
+            expand = sorted(frontier, key=lambda n: -scores[n])[:width]
+            node_caches = [caches[parents[n]].prefix(caches[parents[n]].length) for n in expand]
+            embeddings = self.embed(torch.tensor([tokens[n] for n in expand], device=self.device)).float()
+            outputs = self.head.step(torch.stack([features[parents[n]] for n in expand]), embeddings,
+                                     torch.full((len(expand),), newest + level - 1, device=self.device), node_caches)
+            for i, n in enumerate(expand):
+                features[n], caches[n] = outputs[i], node_caches[i]
+            frontier = add_children(expand, outputs)  # (EAGLE-2 expands the newest level only)
+        order = sorted(range(len(tokens)), key=lambda n: (-scores[n], levels[n]))[:TREE_NODES]
+        place = {node: i for i, node in enumerate(order)}
+        return Draft([tokens[n] for n in order], parents=[place[parents[n]] if parents[n] >= 0 else -1 for n in order],
+                     scores=[scores[n] for n in order])
 
     def _catch_up(self, seq: SequenceState) -> tuple[torch.Tensor, HeadKV]:
         """The head's prediction [H] of the feature at the newest token's position, and the request's
