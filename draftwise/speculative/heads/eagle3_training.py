@@ -28,8 +28,14 @@ from tqdm import tqdm
 from draftwise.speculative.heads.eagle3 import Eagle3Head
 from draftwise.speculative.heads.eagle_training import MAX_STARTS, _answer_positions, _optimizer_groups
 from draftwise.speculative.heads.medusa_training import IGNORED, kept_index_map
-from draftwise.speculative.heads.training import Checkpoint, EpochReport, Example, TrainResult, TrainSettings, \
-    split_heldout
+from draftwise.speculative.heads.training import (
+    Checkpoint,
+    EpochReport,
+    Example,
+    TrainResult,
+    TrainSettings,
+    split_heldout,
+)
 
 TTT_STEPS = 3  # unrolled drafting steps per position (speculators' default)
 
