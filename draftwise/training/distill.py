@@ -6,13 +6,16 @@ the target's hidden states over prompt + answer (after its final norm, as its LM
 
 Answering is the slow part of training (seconds a prompt on a CPU), so the examples are cached,
 keyed by the target, how it was loaded, the prompts and the answer length: a second head (another
-kind, width or schedule) trained on the same traffic starts at once.
+kind, width or schedule) trained on the same traffic starts at once. While the target answers, every
+CHUNK answers are written beside the cache file, so an interrupted run (an hour of answers on a CPU)
+resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,19 +29,28 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.heads.training import Example
 
 FORMAT = 1  # bump when what an example holds changes
+CHUNK = 16  # answers written together while distilling: an interrupted run resumes after the last chunk
 
 
-def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True,
-            aux_layers: tuple[int, ...] = ()) -> list[Example]:
+def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux_layers: tuple[int, ...] = (),
+            done: int = 0, on_chunk: Callable[[list[Example]], None] | None = None) -> list[Example]:
     """One example per prompt: the target's greedy answer and its hidden states over it all (and the
-    residual streams after `aux_layers`, side by side, where a head's training reads them)."""
+    residual streams after `aux_layers`, side by side, where a head's training reads them). done:
+    prompts answered earlier (skipped, counted in the progress bar); on_chunk: given every CHUNK
+    new examples as they are made (and the last few)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    examples = []
-    for prompt in tqdm(prompts, desc="target answers", disable=not progress, unit="prompt"):
+    examples, chunk = [], []
+    for prompt in tqdm(prompts[done:], desc="target answers", disable=not progress, unit="prompt",
+                       initial=done, total=len(prompts)):
         output = llm.generate(prompt, params)[0]
         ids = list(output.prompt_token_ids) + list(output.token_ids)
         hidden, aux = hidden_states(llm, ids, aux_layers)
-        examples.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
+        chunk.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
+        if len(chunk) == CHUNK or len(examples) + len(chunk) == len(prompts) - done:
+            if on_chunk is not None:
+                on_chunk(chunk)
+            examples += chunk
+            chunk = []
     return examples
 
 
@@ -61,9 +73,32 @@ def distill_cached(llm: LLM, key: dict, prompts: list, max_tokens: int, progress
             return read_examples(path), path
         except (OSError, SafetensorError, KeyError, ValueError):
             path.unlink(missing_ok=True)  # a torn write: answer again
-    examples = distill(llm, prompts, max_tokens, progress, aux_layers)
+    chunks = sorted(path.parent.glob(path.stem + ".chunk-*.safetensors"))  # an interrupted run's answers
+    done: list[Example] = []
+    for number, chunk in enumerate(chunks):
+        try:
+            if chunk.name != _chunk_path(path, number).name:
+                raise ValueError("a chunk missing")
+            done += read_examples(chunk)
+        except (OSError, SafetensorError, KeyError, ValueError):
+            for stale in chunks[number:]:
+                stale.unlink(missing_ok=True)
+            break
+    written = [len(chunks)]
+
+    def keep(chunk: list[Example]) -> None:
+        write_examples(_chunk_path(path, written[0]), chunk)
+        written[0] += 1
+
+    examples = done + distill(llm, prompts, max_tokens, progress, aux_layers, done=len(done), on_chunk=keep)
     write_examples(path, examples)
+    for chunk in path.parent.glob(path.stem + ".chunk-*.safetensors"):
+        chunk.unlink(missing_ok=True)
     return examples, path
+
+
+def _chunk_path(path: Path, number: int) -> Path:
+    return path.with_name(f"{path.stem}.chunk-{number:05d}.safetensors")
 
 
 def write_examples(path: Path, examples: list[Example]) -> None:
