@@ -279,3 +279,25 @@ def test_sampling_with_eagle3_drafts_follows_the_target(copying_target, tmp_path
         assert llm.spec_metrics.num_accepted_tokens > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_seeded_sampling_with_trees_equals_plain_seeded_sampling(trained_head, tiny_qwen, plain):
+    """Trees are drafted for seeded rows (unseeded ones draft chains): each token is verified against
+    the target's own seeded draw, so the output is plain decoding's, token for token, whatever the tree."""
+    llm = eagle3(tiny_qwen, trained_head[0], num_speculative_tokens=3, adaptive=False, eagle3_branches=3)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=24) for seed in range(6)]
+    prompts = [TRAINING_PROMPTS[i % len(TRAINING_PROMPTS)] for i in range(6)]
+    expected = [plain.generate(prompt, p)[0].token_ids for prompt, p in zip(prompts, params)]
+    assert _together(llm, prompts, params) == expected
+    assert llm.spec_metrics.num_accepted_tokens > 0 and llm.spec_metrics.num_draft_tokens > llm.spec_metrics.num_drafts * 3
+
+
+def _together(llm, prompts, params) -> list[list[int]]:
+    """Every request added at once (one batch), outputs in prompt order."""
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    done = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = output.token_ids
+    return [done[i] for i in ids]
