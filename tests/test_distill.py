@@ -16,32 +16,41 @@ def llm(tiny_qwen):
 PROMPTS = [f"def f{i}(x):" for i in range(7)]
 
 
-def test_an_interrupted_run_resumes_after_its_last_chunk(llm, monkeypatch):
-    monkeypatch.setattr(distill, "CHUNK", 3)
-    answered, generate = [], llm.generate
+def answering(llm, monkeypatch, stop_after: int | None = None) -> list[str]:
+    """The prompts the target answers from now on (in order); stop_after: interrupted after that many."""
+    answered, generate = [], type(llm).generate
 
-    def fails_at_the_sixth(prompt, params):
-        if len(answered) == 5:
+    def counted(prompt, params):
+        if stop_after is not None and len(answered) == stop_after:
             raise KeyboardInterrupt
         answered.append(prompt)
-        return generate(prompt, params)
+        return generate(llm, prompt, params)
 
-    monkeypatch.setattr(llm, "generate", fails_at_the_sixth)
+    monkeypatch.setattr(llm, "generate", counted)
+    return answered
+
+
+def chunk_files() -> list:
+    return sorted(distill.distilled_folder().glob("*.chunk-*.safetensors"))
+
+
+def test_an_interrupted_run_resumes_after_its_last_chunk(llm, monkeypatch):
+    monkeypatch.setattr(distill, "CHUNK", 3)
+    answering(llm, monkeypatch, stop_after=5)
     with pytest.raises(KeyboardInterrupt):
         distill.distill_cached(llm, {"t": "tiny"}, PROMPTS, 6, progress=False, aux_layers=(0, 1))
-    assert len(list(distill.distilled_folder().glob("*.chunk-*.safetensors"))) == 1  # the first three answers
-    answered.clear()
-    monkeypatch.setattr(llm, "generate", lambda prompt, params: answered.append(prompt) or generate(prompt, params))
+    assert len(chunk_files()) == 1  # the first three answers
+    answered = answering(llm, monkeypatch)
     examples, path = distill.distill_cached(llm, {"t": "tiny"}, PROMPTS, 6, progress=False, aux_layers=(0, 1))
     assert answered == PROMPTS[3:]  # resumed after the chunk
-    assert not list(distill.distilled_folder().glob("*.chunk-*.safetensors")) and path.is_file()
+    assert not chunk_files() and path.is_file()
     fresh = distill.distill(llm, PROMPTS, 6, progress=False, aux_layers=(0, 1))
     assert len(examples) == len(fresh) == 7
     for got, expected in zip(examples, fresh):
         assert torch.equal(got.token_ids, expected.token_ids) and got.answer_start == expected.answer_start
         assert torch.equal(got.hidden, expected.hidden) and torch.equal(got.aux, expected.aux)
         assert got.aux.shape == (len(got.token_ids), 2 * 64) and got.aux.dtype == torch.bfloat16
-    answered.clear()
+    answered = answering(llm, monkeypatch)
     again, _ = distill.distill_cached(llm, {"t": "tiny"}, PROMPTS, 6, progress=False, aux_layers=(0, 1))
     assert not answered and len(again) == 7  # read from the cache
 
@@ -50,3 +59,20 @@ def test_the_layers_read_key_the_cache(llm):
     with_layers, first = distill.distill_cached(llm, {"t": "tiny"}, PROMPTS[:2], 4, progress=False, aux_layers=(1,))
     without, second = distill.distill_cached(llm, {"t": "tiny"}, PROMPTS[:2], 4, progress=False)
     assert first != second and with_layers[0].aux is not None and without[0].aux is None
+
+
+def test_a_damaged_chunk_is_answered_again_and_the_numbering_stays_whole(llm, monkeypatch):
+    monkeypatch.setattr(distill, "CHUNK", 2)
+    answering(llm, monkeypatch, stop_after=6)
+    with pytest.raises(KeyboardInterrupt):
+        distill.distill_cached(llm, {"t": "damaged"}, PROMPTS, 5, progress=False)
+    assert len(chunk_files()) == 3
+    chunk_files()[1].write_bytes(b"torn")  # the second chunk damaged: the third must go too (its place is unknown)
+    answered = answering(llm, monkeypatch, stop_after=2)
+    with pytest.raises(KeyboardInterrupt):
+        distill.distill_cached(llm, {"t": "damaged"}, PROMPTS, 5, progress=False)
+    assert answered == PROMPTS[2:4]  # redone from the damaged chunk's first prompt, then stopped again
+    answered = answering(llm, monkeypatch)
+    examples, _ = distill.distill_cached(llm, {"t": "damaged"}, PROMPTS, 5, progress=False)
+    assert answered == PROMPTS[4:] and len(examples) == 7  # the chunk written after the damage was kept
+    assert not chunk_files()

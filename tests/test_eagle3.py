@@ -221,11 +221,20 @@ def _layer(config: dict) -> dict:
     (lambda c: c.update(speculators_model_type="eagle"), None, "a speculators 'eagle' model, not an EAGLE-3 head"),
     (lambda c: _layer(c).update(hidden_size=128), None, "made for hidden size 128"),
     (None, lambda t: t.update({"layers.0.self_attn.q_norm.weight": torch.ones(8)}), "does not compute: .*q_norm"),
+    (lambda c: _layer(c).update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), None, "rope_scaling \\(llama3\\)"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids="2,14,25"), None, "do not fit"),
 ])
 def test_what_the_head_does_not_compute_is_refused_by_name(trained_head, tiny_qwen, tmp_path, config_change,
                                                            tensor_change, message):
     folder = _rewritten(trained_head, tmp_path, config_change, tensor_change)
     with pytest.raises(InvalidParameterError, match=message):
+        eagle3(tiny_qwen, folder)
+
+
+def test_pickled_weights_are_refused_by_name(trained_head, tiny_qwen, tmp_path):
+    folder = _rewritten(trained_head, tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(InvalidParameterError, match="safetensors only"):
         eagle3(tiny_qwen, folder)
 
 

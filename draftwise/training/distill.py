@@ -68,23 +68,28 @@ def distill_cached(llm: LLM, key: dict, prompts: list, max_tokens: int, progress
         described["aux_layers"] = list(aux_layers)
     identity = json.dumps(described, sort_keys=True, default=str)
     path = distilled_folder() / (hashlib.sha256(identity.encode()).hexdigest()[:24] + ".safetensors")
+    chunks = sorted(path.parent.glob(path.stem + ".chunk-*.safetensors"))  # an interrupted run's answers
     if path.is_file():
         try:
-            return read_examples(path), path
+            examples = read_examples(path)
+            for chunk in chunks:  # (left by a run stopped between its last write and this clean-up)
+                chunk.unlink(missing_ok=True)
+            return examples, path
         except (OSError, SafetensorError, KeyError, ValueError):
             path.unlink(missing_ok=True)  # a torn write: answer again
-    chunks = sorted(path.parent.glob(path.stem + ".chunk-*.safetensors"))  # an interrupted run's answers
     done: list[Example] = []
-    for number, chunk in enumerate(chunks):
+    kept = 0
+    for chunk in chunks:
         try:
-            if chunk.name != _chunk_path(path, number).name:
+            if chunk.name != _chunk_path(path, kept).name:
                 raise ValueError("a chunk missing")
             done += read_examples(chunk)
+            kept += 1
         except (OSError, SafetensorError, KeyError, ValueError):
-            for stale in chunks[number:]:
+            for stale in chunks[kept:]:
                 stale.unlink(missing_ok=True)
             break
-    written = [len(chunks)]
+    written = [kept]  # the next chunk's number
 
     def keep(chunk: list[Example]) -> None:
         write_examples(_chunk_path(path, written[0]), chunk)

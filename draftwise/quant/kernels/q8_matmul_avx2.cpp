@@ -62,7 +62,8 @@ void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* sca
         const __m256 v0 = _mm256_loadu_ps(in), v1 = _mm256_loadu_ps(in + 8);
         const __m256 v2 = _mm256_loadu_ps(in + 16), v3 = _mm256_loadu_ps(in + 24);
         const float max_abs = reduce_max_abs(v0, v1, v2, v3);
-        const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+        // (below 1e-30 a group is zeros for every purpose: 127 / max_abs would overflow to inf, and 0 * inf is NaN)
+        const __m256 inverse = _mm256_set1_ps(max_abs > 1e-30f ? 127.0f / max_abs : 0.0f);
         const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inverse));  // nearest, |.| <= 127
         const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inverse));
         const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inverse));

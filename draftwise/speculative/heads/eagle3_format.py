@@ -90,6 +90,9 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
     refusing a draftwise head saved by another."""
     config_path = folder / CONFIG
     weight_files = sorted(folder.glob("*.safetensors"))
+    if config_path.is_file() and not weight_files and any(folder.glob("*.bin")):
+        raise InvalidParameterError(f"{folder}: weights in PyTorch's pickle format (*.bin); draftwise reads "
+                                    "safetensors only (convert them, e.g. with safetensors.torch.save_file)")
     if not config_path.is_file() or not weight_files:
         raise InvalidParameterError(f"{folder}: not an EAGLE-3 head folder ({CONFIG} and *.safetensors expected)")
     try:
@@ -99,7 +102,8 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
         raise ModelFormatError(f"{folder}: unreadable head ({error})") from None
     if not isinstance(config, dict):
         raise ModelFormatError(f"{folder}/{CONFIG}: not a JSON object")
-    saved_as = (config.get("draftwise") or {}).get("kind")
+    ours = config.get("draftwise") or {}
+    saved_as = ours.get("kind") if isinstance(ours, dict) else None
     if kind is not None and saved_as is not None and saved_as != kind:
         raise InvalidParameterError(f"{folder}: a {saved_as!r} head, not a {kind!r} one")
     if "speculators_model_type" in config:
@@ -116,13 +120,19 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
     for option in UNSUPPORTED_OPTIONS:
         if config.get(option):
             raise InvalidParameterError(f"{folder}: {option}=true is not supported by draftwise's EAGLE-3 head")
-    if int(layer_config.get("num_hidden_layers", 1)) != 1:
-        raise InvalidParameterError(f"{folder}: an EAGLE-3 head of {layer_config['num_hidden_layers']} layers; "
+    for option in ("rope_scaling", "rope_parameters"):
+        scaling = layer_config.get(option)
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise InvalidParameterError(f"{folder}: the head's {option} ({scaling.get('rope_type', scaling.get('type'))}) "
+                                        "is not supported: draftwise's head uses plain rotary embedding")
+    if layer_config.get("num_hidden_layers", 1) != 1:
+        raise InvalidParameterError(f"{folder}: an EAGLE-3 head of {layer_config['num_hidden_layers']!r} layers; "
                                     "draftwise serves one-layer heads")
     tensors = {("layers.0." + name.removeprefix("midlayer.")) if name.startswith("midlayer.") else name: t
                for name, t in tensors.items()}
     aux = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_layers)
-    if len(aux) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= num_layers for i in aux):
+    if not isinstance(aux, (list, tuple)) or len(aux) != 3 \
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= num_layers for i in aux):
         raise InvalidParameterError(f"{folder}: eagle_aux_hidden_state_layer_ids {aux} do not fit a target of "
                                     f"{num_layers} layers (three ids in 1..{num_layers})")
     shape = _shape(folder, layer_config, bool(config.get("norm_before_residual", False)))
@@ -184,7 +194,8 @@ def _shape(folder: Path, config: dict, norm_before_residual: bool) -> Eagle3Shap
         hidden = int(config["hidden_size"])
         return Eagle3Shape(hidden, heads, int(config.get("num_key_value_heads", heads)),
                            int(config.get("head_dim") or hidden // heads), int(config["intermediate_size"]),
-                           float(config.get("rope_theta", 10000.0)), float(config.get("rms_norm_eps", 1e-6)),
+                           float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+                                 or 10000.0), float(config.get("rms_norm_eps", 1e-6)),
                            norm_before_residual=norm_before_residual)
     except (KeyError, TypeError, ValueError) as error:
         raise ModelFormatError(f"{folder}/{CONFIG}: incomplete layer config ({error})") from None

@@ -95,7 +95,9 @@ def example_loss(head: Eagle3Head, example: Example, embedded: torch.Tensor, ind
     ids = example.token_ids
     length = len(ids)
     rows = length - 1  # row t: the pair (feature t, token t + 1)
-    first = max(0, example.answer_start - 2)  # the first row whose first draft is an answer token
+    # the first row serving drafts from: the prompt's last token is fed with the answer's first (the
+    # target's own, from the prefill), so drafting starts one row later, at the answer's second token
+    first = max(0, example.answer_start - 1)
     positions = torch.arange(rows)
     features = head.fuse(example.aux[:-1])  # [S-1, H]
     tokens = embedded[1:]  # [S-1, H]: x_{t+1}
