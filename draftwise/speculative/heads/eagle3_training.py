@@ -8,17 +8,13 @@ t, reading the features it produced itself, as it will when it drafts. Its atten
 context (step 0's keys at positions <= t) and its own earlier steps at row t (`Eagle3Head.unrolled`).
 
     loss = mean_j  CE(W_draft . norm(g^{j+1}_t), x_{t+j+2})    over answer tokens in the draft vocabulary
-         + FEATURE_WEIGHT * SmoothL1(norm(g^1_t), f_{t+1})   (step 0 only; f: the target's normed feature)
 
-(the answers are the target's greedy tokens, so the labels are what verification accepts). The
-feature term is not in the paper, which trains on hundreds of thousands of examples: with the few
-hundred a CPU distils in an hour, a head learning its output space from the token loss alone drafted
-right 20% of the time after an epoch (BENCHMARKS.md). The head's norm and LM head start as the
-target's final norm and LM head rows, so a first step that reproduces the target's next feature
-already drafts the target's token; later steps are trained by the token loss only. AdamW on
-the head, its own LM head included (initialised from the target's rows; the embedding stays the
-target's, frozen), a cosine schedule, a checkpoint after every epoch that resumes, and after every
-epoch the held-out split's acceptance per position, drafting as served.
+(the answers are the target's greedy tokens, so the labels are what verification accepts). AdamW on
+the head, its output norm and LM head included (both start as the target's final norm and LM head
+rows of the draft vocabulary; the embedding stays the target's, frozen), a cosine schedule, a
+checkpoint after every epoch that resumes, and after every epoch the held-out split's acceptance per
+position, drafting as served. Two variants were tried on 240 prompts and dropped (BENCHMARKS.md): a
+feature regression at the first step, and a frozen output norm and LM head.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from draftwise.speculative.heads.eagle import rms_norm
 from draftwise.speculative.heads.eagle3 import Eagle3Head
 from draftwise.speculative.heads.eagle_training import MAX_STARTS, _answer_positions, _optimizer_groups
 from draftwise.speculative.heads.medusa_training import IGNORED, kept_index_map
@@ -45,7 +40,6 @@ from draftwise.speculative.heads.training import (
 )
 
 TTT_STEPS = 3  # unrolled drafting steps per position (speculators' default)
-FEATURE_WEIGHT = 1.0  # the first step's feature regression beside the token losses (see above)
 
 
 def train_eagle3(head: Eagle3Head, embed: Callable[[torch.Tensor], torch.Tensor], examples: list[Example],
@@ -114,13 +108,9 @@ def example_loss(head: Eagle3Head, example: Example, embedded: torch.Tensor, ind
     tokens = embedded[1:]  # [S-1, H]: x_{t+1}
     earlier: list[tuple[torch.Tensor, torch.Tensor]] = []
     losses = []
-    feature_loss = None
     for j in range(steps):
         features, kv = head.unrolled(features, tokens, positions + j, earlier)  # row t drafts x_{t+j+2}
         earlier.append(kv)
-        if j == 0 and FEATURE_WEIGHT and first < rows - 1:  # g^1_t against the target's feature at t + 1
-            normed = rms_norm(features[first:rows - 1], head.norm, head.shape.rms_norm_eps)
-            feature_loss = F.smooth_l1_loss(normed, example.hidden[first + 1:rows].to(normed.dtype))
         last = length - 3 - j  # rows t <= last have a label x_{t+j+2} inside the example
         if last < first:
             break
@@ -130,8 +120,7 @@ def example_loss(head: Eagle3Head, example: Example, embedded: torch.Tensor, ind
             losses.append(F.cross_entropy(logits, targets, ignore_index=IGNORED))
         # the next step reads x_{t+j+2} beside g: the tokens shift left, the tail padded with the last
         tokens = torch.cat([tokens[1:], tokens[-1:]])
-    loss = torch.stack(losses).mean() if losses else features.sum() * 0.0
-    return loss if feature_loss is None else loss + FEATURE_WEIGHT * feature_loss
+    return torch.stack(losses).mean() if losses else features.sum() * 0.0
 
 
 @torch.no_grad()
