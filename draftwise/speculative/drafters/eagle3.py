@@ -78,15 +78,14 @@ def train_layers(config) -> tuple[int, ...]:
 
 def train_eagle3_head(model, tokenizer, target_name: str, examples: list[Example], settings: TrainSettings,
                       folder: Path, notes: dict, progress: bool = True) -> TrainResult:
-    """A head over the answers' tokens and the most frequent others (its norm and LM head starting
-    as the target's final norm and rows), trained with training-time test and saved to `folder`."""
+    """A head over the answers' tokens and the most frequent others (its LM head starting as the
+    target's rows of them), trained with training-time test and saved to `folder`."""
     config = model.config
     kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
     torch.manual_seed(settings.seed)
     head = Eagle3Head(head_shape(config, settings.head_width), kept)
-    with torch.no_grad():  # its output norm and LM head start as the target's (see eagle3_training.py)
+    with torch.no_grad():  # its LM head starts as the target's rows (its norm as ones: see eagle3_training.py)
         head.lm_head.weight.copy_(head_weight(model)[kept].float().cpu())
-        head.norm.copy_(model.norm.weight.detach().float().cpu())
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -10,11 +10,12 @@ context (step 0's keys at positions <= t) and its own earlier steps at row t (`E
     loss = mean_j  CE(W_draft . norm(g^{j+1}_t), x_{t+j+2})    over answer tokens in the draft vocabulary
 
 (the answers are the target's greedy tokens, so the labels are what verification accepts). AdamW on
-the head, its output norm and LM head included (both start as the target's final norm and LM head
-rows of the draft vocabulary; the embedding stays the target's, frozen), a cosine schedule, a
+the head, its output norm and LM head included (the LM head starts as the target's rows of the draft
+vocabulary, the norm as ones; the embedding stays the target's, frozen), a cosine schedule, a
 checkpoint after every epoch that resumes, and after every epoch the held-out split's acceptance per
-position, drafting as served. Two variants were tried on 240 prompts and dropped (BENCHMARKS.md): a
-feature regression at the first step, and a frozen output norm and LM head.
+position, drafting as served. Three variants were tried on 240 prompts and dropped (BENCHMARKS.md):
+a feature regression at the first step, a frozen output norm and LM head, and the norm starting as
+the target's final norm.
 """
 
 from __future__ import annotations
