@@ -76,6 +76,22 @@ class HeadKV:
         return copy
 
 
+def appended_and_padded(caches: list[HeadKV], keys: torch.Tensor, values: torch.Tensor):
+    """Row r's new keys and values [R, Hkv, 1, D] appended to caches[r]; then every row's cache side by
+    side, padded to the longest: keys, values [R, Hkv, L, D] and the mask of real entries [R, 1, 1, L]."""
+    for r, cache in enumerate(caches):
+        cache.append(keys[r], values[r])
+    longest = max(cache.length for cache in caches)
+    padded_keys = keys.new_zeros(len(caches), keys.shape[1], longest, keys.shape[3])
+    padded_values = torch.zeros_like(padded_keys)
+    for r, cache in enumerate(caches):
+        padded_keys[r, :, :cache.length] = cache.keys[:, :cache.length]
+        padded_values[r, :, :cache.length] = cache.values[:, :cache.length]
+    lengths = torch.tensor([cache.length for cache in caches], device=keys.device)
+    mask = (torch.arange(longest, device=keys.device)[None] < lengths[:, None])[:, None, None]
+    return padded_keys, padded_values, mask
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -141,16 +157,7 @@ class EagleHead(nn.Module):
         v = v.view(rows, shape.num_kv_heads, 1, shape.head_dim)
         cos, sin = rotary_cos_sin(positions[:, None], shape.head_dim, shape.rope_theta, x.dtype)  # [R, 1, 1, D]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        for r, cache in enumerate(caches):
-            cache.append(k[r], v[r])
-        longest = max(cache.length for cache in caches)
-        keys = x.new_zeros(rows, shape.num_kv_heads, longest, shape.head_dim)  # [R, Hkv, L, D], padded
-        values = torch.zeros_like(keys)
-        for r, cache in enumerate(caches):
-            keys[r, :, :cache.length] = cache.keys[:, :cache.length]
-            values[r, :, :cache.length] = cache.values[:, :cache.length]
-        lengths = torch.tensor([cache.length for cache in caches], device=x.device)
-        mask = (torch.arange(longest, device=x.device)[None] < lengths[:, None])[:, None, None]  # [R, 1, 1, L]
+        keys, values, mask = appended_and_padded(caches, k, v)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [R, Hq, 1, D]
         x = x + self.o_proj(attended.reshape(rows, -1))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_layernorm, shape.rms_norm_eps)).chunk(2, dim=-1)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model.layers import rotary_cos_sin
-from draftwise.speculative.heads.eagle import HeadKV, rms_norm, rotate
+from draftwise.speculative.heads.eagle import HeadKV, appended_and_padded, rms_norm, rotate
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,19 +144,9 @@ class Eagle3Head(nn.Module):
         """One new position for each of R requests at once: hidden, embeddings [R, H] at positions
         [R], row r appended to caches[r] and attending all it holds -> next features [R, H]."""
         rows = hidden.shape[0]
-        shape = self.shape
         x, residual = self._inputs(hidden, embeddings)
         q, k, v = self._qkv(x, positions[:, None], rows, 1)  # [R, H*, 1, D]
-        for r, cache in enumerate(caches):
-            cache.append(k[r], v[r])
-        longest = max(cache.length for cache in caches)
-        keys = x.new_zeros(rows, shape.num_kv_heads, longest, shape.head_dim)  # [R, Hkv, L, D], padded
-        values = torch.zeros_like(keys)
-        for r, cache in enumerate(caches):
-            keys[r, :, :cache.length] = cache.keys[:, :cache.length]
-            values[r, :, :cache.length] = cache.values[:, :cache.length]
-        lengths = torch.tensor([cache.length for cache in caches], device=x.device)
-        mask = (torch.arange(longest, device=x.device)[None] < lengths[:, None])[:, None, None]  # [R, 1, 1, L]
+        keys, values, mask = appended_and_padded(caches, k, v)  # [R, Hkv, L, D], padded
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [R, Hq, 1, D]
         return self._finish(residual, attended.reshape(rows, -1))
 

@@ -18,17 +18,14 @@ answer position, a chain drafted on the head's own features and cache.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from draftwise.speculative.heads.eagle import EagleHead, HeadKV
 from draftwise.speculative.heads.medusa_training import IGNORED, kept_index_map
-from draftwise.speculative.heads.training import (Checkpoint, EpochReport, Example, TrainResult, TrainSettings,
-                                                  split_heldout)
+from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings, split_heldout, train_epochs
 
 TOKEN_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature loss
 NOISE = 0.1  # uniform noise on the input features, relative to their RMS
@@ -48,61 +45,11 @@ def train_eagle(head: EagleHead, lm_rows: torch.Tensor, embed: Callable[[torch.T
     index = kept_index_map(head.kept_ids, vocab_size)
     with torch.no_grad():
         embedded = {id(e): embed(e.token_ids).float().clone() for e in train + heldout}  # [S, H] each
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.learning_rate,
-                                  weight_decay=settings.weight_decay)
-    groups = _optimizer_groups(train, settings.batch_size)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, len(groups) * settings.epochs))
-    result = TrainResult(asdict(settings), train_positions=sum(_answer_positions(e) for e in train),
-                         heldout_positions=sum(_answer_positions(e) for e in heldout))
-    checkpointed = Checkpoint(checkpoint, head, optimizer, schedule)
-    first_epoch = checkpointed.resume(result)
-    generator = torch.Generator().manual_seed(settings.seed)
-    for epoch in range(first_epoch, settings.epochs):
-        head.train()
-        shuffled = [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
-        total, steps = 0.0, 0
-        bar = tqdm(shuffled, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not progress, unit="step", leave=False)
-        for group in bar:
-            optimizer.zero_grad()
-            weight = sum(_answer_positions(train[i]) for i in group)
-            loss_sum = 0.0
-            for i in group:  # gradients accumulate over the group's examples, weighted by their positions
-                example = train[i]
-                loss = example_loss(head, lm_rows, example, embedded[id(example)], index, generator)
-                (loss * _answer_positions(example) / weight).backward()
-                loss_sum += float(loss.detach()) * _answer_positions(example) / weight
-            optimizer.step()
-            schedule.step()
-            total, steps = total + loss_sum, steps + 1
-            bar.set_postfix(loss=f"{total / steps:.3f}")
-        report = EpochReport(epoch, total / max(steps, 1),
-                             acceptance_per_position(head, lm_rows, heldout, embedded, embed, settings.num_heads))
-        result.reports.append(report)
-        if progress:
-            print(f"epoch {epoch + 1}: loss {report.train_loss:.3f}, held-out acceptance by position "
-                  + " ".join(f"{a:.2f}" for a in report.heldout_acceptance))
-        checkpointed.save(epoch, result)
-    head.eval()
-    return result
-
-
-def _answer_positions(example: Example) -> int:
-    """Positions whose prediction is an answer token (or the feature of one)."""
-    return max(1, len(example.token_ids) - 1 - max(0, example.answer_start - 2))
-
-
-def _optimizer_groups(train: list[Example], positions: int) -> list[list[int]]:
-    """Consecutive examples gathered until each group holds about `positions` answer positions."""
-    groups, current, held = [], [], 0
-    for i, example in enumerate(train):
-        current.append(i)
-        held += _answer_positions(example)
-        if held >= positions:
-            groups.append(current)
-            current, held = [], 0
-    if current:
-        groups.append(current)
-    return groups
+    noise = torch.Generator().manual_seed(settings.seed + 1)  # the input features' noise
+    return train_epochs(head, train, heldout, settings,
+                        lambda e: example_loss(head, lm_rows, e, embedded[id(e)], index, noise),
+                        lambda: acceptance_per_position(head, lm_rows, heldout, embedded, embed, settings.num_heads),
+                        checkpoint, progress)
 
 
 def example_loss(head: EagleHead, lm_rows: torch.Tensor, example: Example, embedded: torch.Tensor,

@@ -4,11 +4,13 @@ hidden states over it), settings, and per-epoch reports."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from draftwise.speculative.vocab_trim import kept_token_ids
 
@@ -99,3 +101,66 @@ class Checkpoint:
         torch.save({"weights": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "schedule": self.schedule.state_dict(), "epoch": epoch,
                     "reports": [asdict(r) for r in result.reports]}, self.path)
+
+
+def answer_positions(example: Example) -> int:
+    """Positions whose prediction is an answer token (or the feature of one)."""
+    return max(1, len(example.token_ids) - 1 - max(0, example.answer_start - 2))
+
+
+def optimizer_groups(train: list[Example], positions: int) -> list[list[int]]:
+    """Consecutive examples gathered until each group holds about `positions` answer positions."""
+    groups, current, held = [], [], 0
+    for i, example in enumerate(train):
+        current.append(i)
+        held += answer_positions(example)
+        if held >= positions:
+            groups.append(current)
+            current, held = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], settings: TrainSettings,
+                 example_loss: Callable[[Example], torch.Tensor], heldout_acceptance: Callable[[], list[float]],
+                 checkpoint: Path | None = None, progress: bool = True) -> TrainResult:
+    """A one-layer head's training loop (EAGLE-1, EAGLE-3): AdamW on its trainable parameters, a cosine
+    schedule over every step, an optimizer step per group of about settings.batch_size answer positions
+    (gradients accumulated over the group's examples, each weighted by its positions), a checkpoint
+    after every epoch that resumes, and after every epoch the held-out acceptance per position."""
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.learning_rate,
+                                  weight_decay=settings.weight_decay)
+    groups = optimizer_groups(train, settings.batch_size)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, len(groups) * settings.epochs))
+    result = TrainResult(asdict(settings), train_positions=sum(answer_positions(e) for e in train),
+                         heldout_positions=sum(answer_positions(e) for e in heldout))
+    checkpointed = Checkpoint(checkpoint, head, optimizer, schedule)
+    first_epoch = checkpointed.resume(result)
+    generator = torch.Generator().manual_seed(settings.seed)
+    for epoch in range(first_epoch, settings.epochs):
+        head.train()
+        shuffled = [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
+        total, steps = 0.0, 0
+        bar = tqdm(shuffled, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not progress, unit="step", leave=False)
+        for group in bar:
+            optimizer.zero_grad()
+            weight = sum(answer_positions(train[i]) for i in group)
+            loss_sum = 0.0
+            for i in group:
+                share = answer_positions(train[i]) / weight
+                loss = example_loss(train[i])
+                (loss * share).backward()
+                loss_sum += float(loss.detach()) * share
+            optimizer.step()
+            schedule.step()
+            total, steps = total + loss_sum, steps + 1
+            bar.set_postfix(loss=f"{total / steps:.3f}")
+        report = EpochReport(epoch, total / max(steps, 1), heldout_acceptance())
+        result.reports.append(report)
+        if progress:
+            print(f"epoch {epoch + 1}: loss {report.train_loss:.3f}, held-out acceptance by position "
+                  + " ".join(f"{a:.2f}" for a in report.heldout_acceptance))
+        checkpointed.save(epoch, result)
+    head.eval()
+    return result
