@@ -17,6 +17,7 @@ LAYERS = [
     {"errors", "paths", "stats", "plots"},
     {"native"},
     {"sampling", "text", "traffic"},
+    {"structured"},
     {"model"},
     {"quant"},
     {"loading"},

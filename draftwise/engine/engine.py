@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, within_grammar
 from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
@@ -99,16 +100,16 @@ class Engine:
         self._draft_calls = {}
         if is_prefill:
             batch[0].row = self.runner.allocate()
-            drafts, skipped = [Draft([])], [False]
+            drafts, skipped, forced = [Draft([])], [False], set()
         else:
-            drafts, skipped = self._propose(batch)
+            drafts, skipped, forced = self._propose(batch)
         num_accepted = self._verify_and_commit(batch, drafts, skipped)
         self._learn_timing(StepTiming(is_prefill, *self._target_pass, self._draft_calls))
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             drafter.proposer.on_verified([batch[b] for b in rows], [num_accepted[b] for b in rows])
             for b in rows:
-                if not skipped[b]:  # (a tree as the chain it was worth: its depth)
+                if not skipped[b] and b not in forced:  # (a tree as the chain it was worth: its depth)
                     depth = drafts[b].depth()
                     drafter.draft_length.observe(batch[b], depth, min(num_accepted[b], depth))
 
@@ -158,10 +159,12 @@ class Engine:
         self._retire(seq)
 
     # --- the steps --------------------------------------------------------------------------
-    def _propose(self, batch: list[Sequence]) -> tuple[list[Draft], list[bool]]:
-        """Drafts, and per row whether randomized drafting's coin turned the step into a plain one."""
+    def _propose(self, batch: list[Sequence]) -> tuple[list[Draft], list[bool], set[int]]:
+        """Drafts; per row whether randomized drafting's coin turned the step into a plain one; the
+        rows whose draft is what their grammar forces (not their drafter's)."""
         drafts = [Draft([]) for _ in batch]
         skipped = [False] * len(batch)
+        forced = forced_drafts(batch)  # row -> tokens its grammar forces (structured outputs)
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
@@ -170,11 +173,15 @@ class Engine:
             # Never draft past what the request may still emit: the verification adds one token.
             num_tokens = [max(0, min(k, seq.num_tokens_left - 1, seq.max_draft_tokens or k))
                           for k, seq in zip(choices, seqs)]
+            num_tokens = [0 if b in forced else k for b, k in zip(rows, num_tokens)]  # (they draft what is forced)
             self.last_num_tokens[method] = sum(num_tokens) / len(num_tokens)
             if drafter.draft_probability < 1:
                 for i, seq in enumerate(seqs):
                     if num_tokens[i] and self._draft_rate(seq) < 1 and not _coin(drafter.draft_probability):
                         num_tokens[i], skipped[rows[i]] = 1, True  # tails: a plain step, which needs q at position 1
+            for b, seq in zip(rows, seqs):
+                if b in forced:
+                    drafts[b] = Draft(forced[b][:min(drafter.max_tokens, seq.max_draft_tokens or drafter.max_tokens)])
             if not any(num_tokens):
                 continue
             start = time.perf_counter()
@@ -182,17 +189,21 @@ class Engine:
             elapsed = time.perf_counter() - start
             self._draft_calls[method] = DraftCall(num_tokens, elapsed, lags)
             for b, draft in zip(rows, proposals):
+                if b in forced:
+                    continue
                 if draft.scores is not None and drafter.costs is not None:  # a tree: the part that pays
                     draft = draft.prefix(nodes_that_pay(draft.scores, drafter.costs.target_seconds,
                                                         elapsed / len(rows), draft.kept_nodes))
                 # Randomized drafting's relaxed test is for chains: such rows verify the tree's first children.
                 drafts[b] = draft.first_children() if self._draft_rate(batch[b]) < 1 else draft
+                if batch[b].grammar is not None:  # a chain inside the grammar
+                    drafts[b] = within_grammar(batch[b], drafts[b], len(draft.token_ids))
                 batch[b].metrics.spec.draft_seconds += elapsed
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
             if seq.method is not None and (skip or not draft.token_ids):
                 seq.metrics.spec.record_plain()
-        return drafts, skipped
+        return drafts, skipped, set(forced)
 
     def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool]) -> list[int]:
         start = time.perf_counter()
@@ -207,10 +218,11 @@ class Engine:
         parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
                    for b in range(len(batch))] if trees else None
         capture = self._hidden_layers(batch)
+        masks = PendingMasks(batch, drafts, self.runner.model.config.vocab_size)  # computed beside the pass
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
                                      parents=parents, capture_layers=capture)
         width = max(num_draft)
-        target_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
+        target_logits = masks.apply(pad_rows(result.logits, result.cu_num_logits, width + 1))  # [B, K+1, V]
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], target_logits.device)
         output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)
@@ -236,6 +248,7 @@ class Engine:
         for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
                                                                drafts):
             seq.append(tokens[:accepted + 1])
+            after_commit(seq)
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
             if not skip:

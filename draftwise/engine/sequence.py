@@ -7,6 +7,7 @@ import time
 from draftwise.engine.outputs import RequestMetrics, RequestOutput
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.metrics import SpecMetrics
+from draftwise.structured.matcher import RequestGrammar
 from draftwise.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -25,6 +26,7 @@ class Sequence:
         self.segment: str | None = None  # a traffic label: the controller keeps per-segment statistics
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.error_reason: str | None = None  # a short label of the failure for metrics ("engine_error", ...)
+        self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))

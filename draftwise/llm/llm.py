@@ -28,6 +28,7 @@ from draftwise.speculative.drafter import build_drafter, measure_costs
 from draftwise.speculative.metrics import SpecMetrics
 from draftwise.speculative.proposer import Proposer
 from draftwise.speculative.registry import Target
+from draftwise.structured.compiler import GrammarCompiler
 from draftwise.text.tokenizer import Tokenizer
 
 
@@ -101,6 +102,7 @@ class LLM:
                                   block_size=block_size, step_mode=None if enforce_eager else step_mode)
         self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
                              self.max_model_len, progress, load_format)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)  # structured outputs
         self.timing_listeners: list = []  # callables taking every engine step's `StepTiming` (any engine)
         self.threads = governor_for(self.runner, adaptive_threads)  # kept across changes of drafter
         self._install(config)
@@ -180,6 +182,8 @@ class LLM:
                        self.tokenizer.eos_token_ids, self.max_model_len)
         seq.method = self.engine.default_method
         seq.segment = segment
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.request_grammar(params.structured_outputs)
         return seq
 
     @staticmethod

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from draftwise.errors import InvalidParameterError, check_text
+from draftwise.sampling.structured_params import StructuredOutputsParams
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
 
@@ -22,8 +23,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # what the output must match (a JSON Schema, a regex, a choice, a grammar); a dict of its fields is taken too
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -1,0 +1,95 @@
+"""Speculation under a grammar (structured outputs), for the rows of a step whose request has one.
+
+- Drafts stay inside the grammar: a tree becomes its chain of first children, and a chain is cut
+  at its first token the grammar does not allow, so the target never spends a pass on what
+  follows it (`within_grammar`: where exactly, and why, depends on how the row is verified).
+- Tokens the grammar forces (keys, punctuation, the rest of an enum value) are the draft of a
+  speculating row: a point mass that the target still verifies, so a forced run costs one pass.
+- Every position a row verifies is masked: the target's logits there keep only the tokens the
+  grammar allows after the row's committed tokens and its draft so far. Verification then compares
+  the draft with the masked target, exactly as plain constrained decoding samples from it (greedy:
+  the masked argmax; sampled: the masked, renormalised distribution), so the output is the
+  constrained target's, token for token. The masks are computed on a worker thread while the
+  target's pass runs.
+- After the commit the grammar advances over the committed tokens only (nothing to roll back).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from draftwise.engine.sequence import Sequence
+from draftwise.speculative.proposer import Draft
+from draftwise.structured.masks import allowed_tokens, fill_masks
+
+_MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+
+def forced_drafts(batch: list[Sequence]) -> dict[int, list[int]]:
+    """Row -> the tokens its grammar forces next, for speculating rows with a grammar (none forced:
+    left out). At most what the request may still emit, less the token verification adds."""
+    forced = {}
+    for b, seq in enumerate(batch):
+        if seq.grammar is not None and seq.method is not None:
+            seq.grammar.sync(seq.output_ids)
+            tokens = seq.grammar.forced_tokens()[:max(0, seq.num_tokens_left - 1)]
+            if tokens:
+                forced[b] = tokens
+    return forced
+
+
+def within_grammar(seq: Sequence, draft: Draft, limit: int) -> Draft:
+    """The row's draft as a chain of at most `limit` tokens, cut where it leaves the grammar.
+
+    Greedy and seeded rows keep the tokens the grammar allows: they are verified by equality with
+    the target's own (masked) token, which a refused token can never equal. A row verified by
+    rejection sampling keeps the first refused token too. Its masked target probability is 0, so
+    verification rejects it for certain and draws the recovered token from the residual
+    norm(max(0, p - q)) at that position, as it would have with the whole draft; cutting before it
+    would draw from p instead, and tokens the drafter proposes outside the grammar would then be
+    emitted with the drafter's probability of refused tokens moved onto p: not the target's
+    distribution (tests/test_structured_sampling.py sees it at once)."""
+    chain = draft.first_children()
+    seq.grammar.sync(seq.output_ids)
+    valid = seq.grammar.valid_prefix(chain.token_ids[:limit])
+    by_rejection = not seq.params.greedy and seq.params.seed is None
+    return chain.prefix(min(limit, valid + 1 if by_rejection else valid))
+
+
+class PendingMasks:
+    """The masks of one step's constrained rows, computing beside the target's pass."""
+
+    def __init__(self, batch: list[Sequence], drafts: list[Draft], vocab_size: int) -> None:
+        self.rows = [b for b, seq in enumerate(batch) if seq.grammar is not None]
+        self.vocab_size = vocab_size
+        self.width = 1 + max((len(drafts[b].token_ids) for b in self.rows), default=0)
+        self._future: Future | None = None
+        if self.rows:
+            for b in self.rows:
+                batch[b].grammar.sync(batch[b].output_ids)
+            work = [(batch[b].grammar, drafts[b].token_ids) for b in self.rows]
+            self._future = _MASK_THREAD.submit(fill_masks, work, self.width, vocab_size)
+
+    def apply(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """target_logits [B, K+1, V] with every constrained row's disallowed tokens at -inf (a new
+        tensor; the pass's own logits are left as they are)."""
+        if self._future is None:
+            return target_logits
+        allowed = allowed_tokens(self._future.result(), self.vocab_size)  # [R * width, V]
+        allowed = allowed.view(len(self.rows), self.width, -1).to(target_logits.device)
+        width = min(self.width, target_logits.shape[1])
+        keep = torch.ones(target_logits.shape, dtype=torch.bool, device=target_logits.device)  # [B, K+1, V]
+        keep[self.rows, :width] = allowed[:, :width, :target_logits.shape[-1]]
+        return target_logits.masked_fill(~keep, float("-inf"))
+
+
+def after_commit(seq: Sequence) -> None:
+    """Advance the grammar over what the row committed; a grammar that is complete (its end token
+    consumed, say under ignore_eos) ends the request."""
+    if seq.grammar is None:
+        return
+    seq.grammar.sync(seq.output_ids)
+    if seq.grammar.finished and not seq.finished:
+        seq.finish("stop")

@@ -1,0 +1,45 @@
+"""The allowed tokens at every position a step verifies, for a batch of constrained rows.
+
+llguidance writes one bitmask per position (int32 words, bit j of word w = token 32 w + j): for
+row r with draft d_1..d_k, position 0 is the mask after its committed tokens and position i the
+mask after d_1..d_i (computed by advancing through the draft and rolling back; positions after a
+token outside the grammar stay all-allowed, since verification stops at that token anyway).
+"""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.torch
+import torch
+
+from draftwise.structured.matcher import RequestGrammar
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def executor() -> llguidance.LLExecutor:
+    global _EXECUTOR  # one pool of llguidance threads for the process, made on first use
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor(num_threads=1)
+    return _EXECUTOR
+
+
+def fill_masks(rows: list[tuple[RequestGrammar, list[int]]], width: int, vocab_size: int) -> torch.Tensor:
+    """bitmask [R * width, W] int32: row r's masks at positions 0..len(draft) from r * width on (the
+    rest all-allowed). width: at least the longest draft + 1."""
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows) * width, vocab_size)  # all bits set
+    with_drafts = [(grammar.matcher, r * width, draft) for r, (grammar, draft) in enumerate(rows) if draft]
+    without = [(grammar.matcher, r * width) for r, (grammar, draft) in enumerate(rows) if not draft]
+    if with_drafts:
+        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(executor(), with_drafts, bitmask)
+    if without:
+        llguidance.torch.fill_next_token_bitmask_par(executor(), without, bitmask)
+    return bitmask
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, W] int32 bitmask -> [N, V] bool, True where the token is allowed. (Little-endian words
+    read as bytes: token 8 b + j is bit j of byte b.)"""
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [N, 4 W]
+    bits = (as_bytes.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, 4 W, 8]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -1,0 +1,263 @@
+"""Structured outputs: the constraint's parameters, its compilation (errors named, nothing loosened),
+outputs that match it, and speculation under it, lossless: greedy output token-identical to plain
+constrained decoding for every drafter, alone and batched beside free requests, and equal to a
+reference written here (a teacher-forced forward, masked by a matcher of the test's own)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import llguidance.torch
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams, StructuredOutputsParams
+from draftwise.errors import InvalidParameterError
+from draftwise.structured.grammars import grammar_definition
+from draftwise.structured.masks import allowed_tokens, fill_masks
+from tests.drafting import assert_drafted, spec_totals
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "kind": {"enum": ["quicksort_function", "numpy_array_zeros"]},
+    "sizes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+              "maxItems": 3},
+    "note": {"type": ["string", "null"], "maxLength": 8}},
+    "required": ["name", "kind", "sizes", "note"], "additionalProperties": False}
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "compact json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "json_object": StructuredOutputsParams(json_object=True),
+    "regex": StructuredOutputsParams(regex=r"(def|for) [a-z_]{1,12}\((a|b|i)\):"),
+    "choice": StructuredOutputsParams(choice=["quicksort", "numpy zeros", "lazy dog"]),
+    "grammar": StructuredOutputsParams(grammar='start: "x = " NUMBER (" + " NUMBER){0,4}\nNUMBER: /[0-9]{1,3}/\n'),
+    "gbnf": StructuredOutputsParams(grammar='root ::= "print(" [a-z]{1,12} ")"'),
+}
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(", "import numpy as np\n"]
+
+
+def greedy(constraint: str, max_tokens: int | None = None) -> SamplingParams:
+    """Room for the random model's choices: it loves JSON's optional whitespace (up to 32 characters
+    a gap, one at a time)."""
+    default = 240 if constraint in ("json", "json_object") else 120
+    return SamplingParams(temperature=0, max_tokens=max_tokens or default, structured_outputs=CONSTRAINTS[constraint])
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False)
+
+
+def assert_matches(constraint: str, text: str) -> None:
+    params = CONSTRAINTS[constraint]
+    if params.kind == "json":
+        jsonschema.validate(json.loads(text), params.json)
+    elif params.kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif params.kind == "regex":
+        assert re.fullmatch(params.regex, text), text
+    elif params.kind == "choice":
+        assert text in params.choice
+    elif constraint == "grammar":
+        assert re.fullmatch(r"x = [0-9]{1,3}( \+ [0-9]{1,3}){0,4}", text), text
+    else:
+        assert re.fullmatch(r"print\([a-z]{1,12}\)", text), text
+
+
+# --- parameters and compilation -----------------------------------------------------------------
+@pytest.mark.parametrize("fields, message", [
+    ({}, "exactly one of"),
+    ({"json": SCHEMA, "regex": "a+"}, "got json, regex"),
+    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"choice": "abc"}, "choice must be a non-empty list"),
+    ({"regex": ""}, "regex must be a non-empty string"),
+    ({"structural_tag": "{}", "json_object": True}, "structural_tag is not supported"),
+    ({"json_object": True, "disable_any_whitespace": "yes"}, "disable_any_whitespace must be"),
+])
+def test_bad_parameters_are_refused_by_name(fields, message):
+    with pytest.raises(InvalidParameterError, match=re.escape(message)):
+        StructuredOutputsParams(**fields)
+
+
+def test_a_dict_is_taken_and_an_unknown_field_refused():
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+    with pytest.raises(InvalidParameterError, match="structured_outputs.guided_json is not supported"):
+        SamplingParams(structured_outputs={"guided_json": SCHEMA})
+
+
+@pytest.mark.parametrize("params, message", [
+    (StructuredOutputsParams(regex="[0-9]+("), "structured_outputs.regex: .*unclosed group"),
+    (StructuredOutputsParams(grammar="start: missing_rule"), "structured_outputs.grammar: .*unknown name"),
+    (StructuredOutputsParams(json={"type": "strin"}), "structured_outputs.json: Invalid type: strin"),
+    (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "Unimplemented keys: .*uniqueItems"),
+    (StructuredOutputsParams(json={"type": "string", "format": "colour"}), "Unknown format: colour"),
+    (StructuredOutputsParams(json={"not": {"type": "string"}}), "Unimplemented keys: .*not"),
+])
+def test_what_does_not_compile_is_refused_naming_the_problem(plain, params, message):
+    """Nothing is loosened: a schema keyword llguidance does not enforce is refused, not ignored."""
+    with pytest.raises(InvalidParameterError, match=message):
+        plain.generate("def", SamplingParams(max_tokens=4, structured_outputs=params))
+    assert not plain.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_cached(plain):
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"cached": {"type": "integer"}}})
+    assert plain.grammars.compile(params) is plain.grammars.compile(StructuredOutputsParams(json=params.json))
+
+
+def test_masks_through_a_draft_equal_a_matcher_stepped_by_hand(plain):
+    """Position i's mask is the grammar's after the draft's first i tokens; after a token the grammar
+    refuses, every token stays allowed (verification stops there anyway)."""
+    grammar = plain.grammars.request_grammar(StructuredOutputsParams(regex="ab+c"))
+    vocab = plain.model.config.vocab_size
+    ids = [plain.tokenizer.encode(t)[0] for t in ("a", "b", "b", "x", "c")]
+    allowed = allowed_tokens(fill_masks([(grammar, ids)], len(ids) + 1, vocab), vocab)  # [6, V]
+    by_hand = plain.grammars.request_grammar(StructuredOutputsParams(regex="ab+c")).matcher
+    one = llguidance.torch.allocate_token_bitmask(1, vocab)
+    for position in range(4):  # after "", "a", "ab", "abb"
+        llguidance.torch.fill_next_token_bitmask(by_hand, one)
+        assert torch.equal(allowed[position], allowed_tokens(one, vocab)[0])
+        assert allowed[position].sum() < vocab
+        if position < 3:
+            assert by_hand.consume_token(ids[position])
+    assert allowed[4:].all()  # past "x", which "abb" may not be followed by
+    assert grammar.num_consumed == 0 and grammar.valid_prefix(ids) == 3  # the matcher itself did not move
+
+
+# --- outputs ------------------------------------------------------------------------------------
+def reference(llm: LLM, prompt: str, params: SamplingParams) -> list[int]:
+    """Plain constrained greedy decoding written out here: a full forward over prompt + output, the
+    allowed tokens from a matcher of the test's own, the argmax among them."""
+    vocab = llm.model.config.vocab_size
+    tokenizer = llguidance.LLTokenizer(llm.tokenizer.path.read_text(), n_vocab=vocab,
+                                       eos_token=sorted(llm.tokenizer.eos_token_ids))
+    matcher = llguidance.LLMatcher(tokenizer, grammar_definition(params.structured_outputs))
+    ids, output = llm.tokenizer.encode(prompt), []
+    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+    while len(output) < min(params.max_tokens, llm.max_model_len - len(ids)):
+        with torch.no_grad():
+            tokens = torch.tensor([ids + output])
+            logits = llm.model(tokens, torch.arange(tokens.shape[1])[None])[0, -1].float()
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+        token = int(logits.masked_fill(~allowed_tokens(bitmask, vocab)[0], float("-inf")).argmax())
+        output.append(token)
+        assert matcher.consume_token(token)
+        if token in llm.tokenizer.eos_token_ids:
+            break
+    return output
+
+
+@pytest.mark.parametrize("constraint", list(CONSTRAINTS))
+def test_plain_outputs_match_the_constraint_and_the_reference(plain, constraint):
+    params = greedy(constraint)
+    outputs = plain.generate(PROMPTS[:2], params)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.token_ids == reference(plain, prompt, params)
+        if constraint in ("json", "json_object") and output.finish_reason == "length":
+            continue  # (the random model can spend 240 tokens on JSON's optional whitespace)
+        assert output.finish_reason == "stop", (output.text, output.finish_reason)
+        assert_matches(constraint, output.text)
+    assert any(output.finish_reason == "stop" for output in outputs)
+
+
+def test_a_grammar_longer_than_max_tokens_ends_with_length(plain):
+    output = plain.generate("def", greedy("json", max_tokens=5))[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 5
+
+
+def test_ignore_eos_ends_where_the_grammar_is_complete(plain):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            structured_outputs=CONSTRAINTS["choice"])
+    output = plain.generate("def", params)[0]
+    assert output.finish_reason == "stop" and output.text in CONSTRAINTS["choice"].choice
+
+
+def test_free_and_constrained_requests_share_a_batch(plain):
+    free = SamplingParams(temperature=0, max_tokens=24)
+    expected_free = [o.token_ids for o in plain.generate(PROMPTS, free)]
+    ids = [plain.add_request(p, greedy("compact json") if i % 2 else free) for i, p in enumerate(PROMPTS)]
+    outputs = {}
+    while plain.has_unfinished_requests():
+        for output in plain.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    for i, request_id in enumerate(ids):
+        if i % 2:
+            assert_matches("compact json", outputs[request_id].text)
+        else:
+            assert outputs[request_id].token_ids == expected_free[i]
+
+
+# --- speculation under a grammar ----------------------------------------------------------------
+DRAFTERS = {
+    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
+    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=4),
+    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
+                                                    draft_branches=2),
+    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
+    "suffix": lambda target, draft: dict(method="suffix", num_speculative_tokens=4),
+}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_speculative_constrained_output_equals_plain(name, adaptive, tiny_qwen, random_draft, plain, drafting_pays):
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={**DRAFTERS[name](tiny_qwen, random_draft), "adaptive": adaptive})
+    for constraint in ("json", "regex", "grammar"):
+        params = greedy(constraint)
+        expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        solo = [llm.generate(p, params)[0] for p in PROMPTS]
+        batched = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in solo] == expected, constraint
+        assert [o.token_ids for o in batched] == expected, constraint
+        assert_drafted(solo + batched, accepted=True)  # (forced tokens are drafted by every drafter)
+
+
+def test_forced_tokens_are_drafted_and_accepted(tiny_qwen, plain, drafting_pays):
+    """Prompt lookup that needs a match of 12 tokens finds none here; every draft is what the schema
+    forces (its keys, the rest of an enum value), so every drafted token is accepted."""
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 12,
+                           "prompt_lookup_max": 12})
+    params = greedy("compact json", max_tokens=60)
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    totals = spec_totals(outputs)
+    assert totals.num_draft_tokens > 0 and totals.num_accepted_tokens == totals.num_draft_tokens
+    assert totals.mean_acceptance_length > 1.5, totals.summary()
+
+
+def test_free_rows_beside_constrained_ones_are_unchanged(tiny_qwen, random_draft, plain, drafting_pays):
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative=DRAFTERS["draft=target"](tiny_qwen, random_draft))
+    free = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, free)]
+    ids = [llm.add_request(p, free) for p in PROMPTS] + [llm.add_request(p, greedy("compact json")) for p in PROMPTS]
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    assert [outputs[i].token_ids for i in ids[:4]] == expected
+    for i in ids[4:]:
+        assert_matches("compact json", outputs[i].text)
+
+
+def test_seeded_sampling_under_a_grammar_equals_plain(tiny_qwen, plain, drafting_pays):
+    """A seeded row's tokens are a function of its seed and position: the same with any drafter."""
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4})
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=120,
+                            structured_outputs=CONSTRAINTS["grammar"])
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert_drafted(outputs, accepted=True)
+    for output in outputs:
+        assert_matches("grammar", output.text)

@@ -1,0 +1,127 @@
+"""Monte-Carlo through the whole engine: speculative sampling under a grammar emits tokens that follow
+the target's masked, renormalised distribution (the grammar's mask, then temperature, top-k and
+top-p), with constrained rows of two warpings sharing every batch, for a draft model whose drafts
+the grammar may refuse (cut before verification) and for drafts of forced tokens.
+
+The exact marginal of each position comes from the target alone by the chain rule, each factor
+masked by a matcher of the test's own advanced over the prefix; the engine's counts are checked
+against it with Pearson's chi-square test (`test_speculative_sampling`).
+
+Power, checked once with 1000 requests per warping (the smallest p-value over the positions):
+  correct engine: 0.13;
+  drafts cut before their first refused token (sampled rows then draw from p where the rejection
+  should draw from the residual): 1.6e-22 with the regex of an earlier version of this test;
+  every drafted position masked with the step's first mask: refused tokens committed, requests fail.
+The regex makes the allowed set change from token to token (a digit must follow letters, letters
+a digit), so a mask taken from the wrong position shows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import llguidance
+import llguidance.torch
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftwise import LLM, SamplingParams, StructuredOutputsParams
+from draftwise.sampling.sampler import SamplingBatch, sampling_probs
+from draftwise.structured.grammars import grammar_definition
+from draftwise.structured.masks import allowed_tokens
+from tests.test_speculative_sampling import ALPHA, chi_square, save_model
+
+REQUESTS_PER_SETTING = 1000
+NUM_POSITIONS = 4
+# Words each ending in a digit, then a forced ending that 4 tokens never reach: every position has a
+# mask that matters (and depends on the one before) and no request ends early.
+CONSTRAINT = StructuredOutputsParams(regex=r"( ?[a-z]+[0-9]){6,20}: done")
+SETTINGS = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=NUM_POSITIONS,
+                           structured_outputs=CONSTRAINT),
+            SamplingParams(temperature=1.3, top_k=8, top_p=0.8, max_tokens=NUM_POSITIONS,
+                           structured_outputs=CONSTRAINT)]
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def close_draft(tiny_qwen, tmp_path_factory):
+    """tiny_qwen with noise on its LM head (its drafts are accepted about half the time)."""
+    weights = load_file(str(tiny_qwen / "model.safetensors"))
+    noise = torch.randn(weights["lm_head.weight"].shape, generator=torch.Generator().manual_seed(0))
+    weights["lm_head.weight"] = weights["lm_head.weight"] + 0.1 * noise
+    folder = tmp_path_factory.mktemp("close_draft_structured")
+    save_model(weights, tiny_qwen, folder)
+    return folder
+
+
+def masked_marginals(llm: LLM, params: SamplingParams) -> list[dict[int, float]]:
+    """P(token at position j) for j = 1..NUM_POSITIONS under the grammar, by the chain rule."""
+    vocab = llm.model.config.vocab_size
+    tokenizer = llguidance.LLTokenizer(llm.tokenizer.path.read_text(), n_vocab=vocab,
+                                       eos_token=sorted(llm.tokenizer.eos_token_ids))
+    definition = grammar_definition(CONSTRAINT)
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    prefixes = {(): 1.0}
+    marginals = []
+    for _ in range(NUM_POSITIONS):
+        keys = list(prefixes)
+        tokens = torch.tensor([prompt_ids + list(key) for key in keys])  # [P, S]
+        with torch.no_grad():
+            logits = llm.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))[:, -1].float()  # [P, V]
+        bitmask = llguidance.torch.allocate_token_bitmask(len(keys), vocab)
+        for row, key in enumerate(keys):
+            matcher = llguidance.LLMatcher(tokenizer, definition)
+            assert matcher.consume_tokens(list(key)) or not key
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        logits = logits.masked_fill(~allowed_tokens(bitmask, vocab), float("-inf"))
+        batch = SamplingBatch.build([params] * len(keys), [None] * len(keys), vocab, logits.device)
+        probs = sampling_probs(logits, batch).double()
+        marginal: Counter = Counter()
+        following = {}
+        for key, row in zip(keys, probs):
+            for token in row.nonzero().flatten().tolist():
+                mass = prefixes[key] * float(row[token])
+                marginal[token] += mass
+                following[key + (token,)] = mass
+        prefixes = following
+        marginals.append(dict(marginal))
+    return marginals
+
+
+def failed_positions(llm: LLM) -> list[str]:
+    torch.manual_seed(0)
+    setting_of = {llm.add_request(PROMPT, SETTINGS[i % 2]): i % 2 for i in range(2 * REQUESTS_PER_SETTING)}
+    outputs: list[list[list[int]]] = [[], []]
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                outputs[setting_of[output.request_id]].append(output.token_ids)
+    metrics = llm.spec_metrics
+    assert metrics.num_draft_tokens > 0 and 0.05 < metrics.acceptance_rate < 0.95, metrics.summary()
+    failures, report = [], []
+    for setting, params in enumerate(SETTINGS):
+        assert all(len(ids) == NUM_POSITIONS for ids in outputs[setting])
+        for position, expected in enumerate(masked_marginals(llm, params)):
+            observed = Counter(ids[position] for ids in outputs[setting])
+            statistic, dof, p_value = chi_square(observed, expected, len(outputs[setting]))
+            report.append(f"setting {setting}, token {position + 1}: chi2 {statistic:.1f}, df {dof}, p {p_value:.2g}")
+            if p_value < ALPHA:
+                failures.append(report[-1])
+    print("\n".join([metrics.summary(), *report]))
+    return failures
+
+
+def test_constrained_speculative_sampling_follows_the_masked_target(tiny_qwen, close_draft):
+    llm = LLM(str(tiny_qwen), max_model_len=64, max_num_seqs=16, progress=False,
+              speculative={"method": "draft", "model": str(close_draft), "num_speculative_tokens": 3,
+                           "adaptive": False})
+    assert not failed_positions(llm)
