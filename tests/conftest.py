@@ -61,6 +61,12 @@ def tiny_qwen(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools(tmp_path_factory) -> Path:
+    """A tiny model whose chat template renders tools, with `<tool_call>` tags as special tokens."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_tools"), "qwen2", seed=0, tools=True)
+
+
+@pytest.fixture(scope="session")
 def random_draft(tmp_path_factory) -> Path:
     """Another random model with the same tokenizer: it agrees with tiny_qwen almost never."""
     return write_tiny_model(tmp_path_factory.mktemp("random_draft"), "qwen2", seed=5, num_layers=1)

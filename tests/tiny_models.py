@@ -24,31 +24,49 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(vocab_size: int = 320) -> Tokenizer:
+# A Hermes-style template that renders tools and tool calls as Qwen2.5's does (in brief).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\nCall them as <tool_call></tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n"
+    "{% for call in m['tool_calls'] %}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+
+
+def train_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     return tokenizer
 
 
 def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
-                     num_layers: int = 2, residual_scale: float = 1.0, hidden_size: int = 64) -> Path:
+                     num_layers: int = 2, residual_scale: float = 1.0, hidden_size: int = 64,
+                     tools: bool = False) -> Path:
     """A random model saved as config.json + model.safetensors + tokenizer files.
 
     residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
     depends mostly on the current one: greedy decoding then soon repeats itself (like real text
     often does), which gives prompt lookup something to find.
+    tools: `<tool_call>` and `</tool_call>` are special tokens and the chat template renders tools.
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(extra_special=TOOL_TOKENS if tools else ())
     common = dict(
         vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048 if tools else 512,  # (a tools prompt is long in a 320-token vocabulary)
         rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tie, initializer_range=0.2,
     )
     torch.manual_seed(seed)
@@ -65,7 +83,7 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": TOOL_TEMPLATE if tools else CHAT_TEMPLATE, "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
     }))
     return folder
 

@@ -63,8 +63,7 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}), ("n", 2),
         ("best_of", 2), ("echo", True), ("suffix", "}"), ("logprobs", 3))]
     chat_refused = [(name, value) for name, value in (
-        ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"), ("logprobs", True), ("top_logprobs", 3), ("modalities", ["text", "audio"]),
+        ("functions", [{"name": "f"}]), ("logprobs", True), ("top_logprobs", 3), ("modalities", ["text", "audio"]),
         ("store", True), ("reasoning_effort", "high"), ("prediction", {"type": "content", "content": "x"}))]
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
     return [
@@ -93,8 +92,23 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         Hostile("the wrong method", 405, "not allowed", path="/v1/completions", method="GET"),
         Hostile("a DNS-rebinding Host", 400, "not allowed", json=completion(), headers={"host": "evil.example"}),
         Hostile("an image part", 400, "image_url", path="/v1/chat/completions", json=chat(messages=[image])),
-        Hostile("a tool message", 400, "tool", path="/v1/chat/completions", json=chat(messages=[
-            {"role": "tool", "content": "42", "tool_call_id": "x"}])),
+        Hostile("a tool message without its call id", 400, "tool_call_id", path="/v1/chat/completions",
+                json=chat(messages=[{"role": "tool", "content": "42"}])),
+        Hostile("a response_format of an unknown type", 400, "response_format.type", path="/v1/chat/completions",
+                json=chat(response_format={"type": "grammar"})),
+        Hostile("a JSON Schema with a typo", 400, "Invalid type: strin", path="/v1/chat/completions",
+                json=chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                    "type": "strin"}}})),
+        Hostile("a JSON Schema keyword not enforced", 400, "uniqueItems", json=completion(
+            guided_json={"type": "array", "uniqueItems": True}), param="guided_json"),
+        Hostile("a regex that does not compile", 400, "unclosed group", json=completion(guided_regex="[0-9]+(")),
+        Hostile("two output constraints", 400, "one output constraint", json=completion(
+            guided_regex="a+", guided_choice=["a"])),
+        Hostile("a tool of an unknown type", 400, "tools[0]", path="/v1/chat/completions",
+                json=chat(tools=[{"type": "web_search"}])),
+        Hostile("tool_choice naming no tool", 400, "tool_choice", path="/v1/chat/completions", json=chat(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}})),
         Hostile("no messages", 400, "messages", path="/v1/chat/completions", json=chat(messages=[])),
         Hostile("max_tokens past the context", 400, "context", json=completion(max_tokens=10**6)),
         *[Hostile(f"{name} (not implemented)", 400, name, json=completion(**{name: value}), param=name)

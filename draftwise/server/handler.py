@@ -45,7 +45,7 @@ class RequestHandler:
         first = await self._first_output(outputs)
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
         context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
-                                self.metrics.segment(body.segment), engine_request.method)
+                                self.metrics.segment(body.segment), engine_request.method, engine_request.calls_tools)
         if body.stream:
             return StreamingResponse(stream_events(first, outputs, context, self.metrics),
                                      media_type="text/event-stream")
@@ -55,18 +55,25 @@ class RequestHandler:
                                kind="server_error", code=final.error_reason or "engine_error")
         self.metrics.observe_finished(final, context.segment, context.method)
         return JSONResponse(response_body(final, context.request_id, context.created, self.model_name,
-                                          engine_request.chat))
+                                          engine_request.chat, engine_request.calls_tools))
 
     def _tokenize(self, request: EngineRequest) -> dict:
-        """The prompt as token ids (a chat through its template), its length checked first."""
+        """The prompt as token ids (a chat through its template), its length checked first; and the
+        output constraint compiled (cached), so that the engine thread never waits for a compile."""
         if request.num_prompt_chars > self.max_prompt_chars:
             raise RequestError(400, f"the prompt has {request.num_prompt_chars} characters: more tokens than "
                                f"this model's context holds", "messages" if request.chat else "prompt",
                                "context_length_exceeded")
         tokenizer = self.engine.llm.tokenizer
+        constraint = request.params.structured_outputs
+        if constraint is not None:
+            try:
+                self.engine.llm.grammars.compile(constraint)
+            except DraftwiseError as error:
+                raise RequestError(400, str(error), request.constraint_param) from None
         try:
             if request.chat:
-                ids = tokenizer.encode_chat(request.messages)  # message text can never forge control tokens
+                ids = tokenizer.encode_chat(request.messages, tools=request.tools)  # text never forges control tokens
             elif request.text is not None:
                 ids = tokenizer.encode(request.text)
             else:

@@ -4,7 +4,9 @@ it), types are strict (no "10" for 10, no true for 1), numbers finite. Which of 
 served and which are refused until implemented is `requests.py`'s job.
 
 Extensions, ignored by OpenAI clients: `speculative` (per-request speculation), `segment` (a traffic
-label for metrics), `top_k`, `ignore_eos`, and `usage.speculation` in responses.
+label for metrics), `top_k`, `ignore_eos`, and `usage.speculation` in responses; vLLM's output
+constraints (`structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+and `response_format` on completions).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool | None = None
     speculative: SpeculationRequest | None = None
     segment: StrictStr | None = Field(default=None, pattern=SEGMENT_PATTERN)
+    # output constraints: OpenAI's response_format (vLLM takes it on completions too), vLLM's fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -101,7 +110,6 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: dict | None = None
     prompt_cache_retention: StrictStr | None = None
     reasoning_effort: StrictStr | None = None
-    response_format: dict | None = None
     safety_identifier: StrictStr | None = None
     service_tier: StrictStr | None = None
     store: StrictBool | None = None

@@ -2,25 +2,28 @@
 
 Every field of the OpenAI schemas is either served or refused here with a 400 that names it; a
 field is accepted unserved only where its value is the neutral one (`n: 1`, `presence_penalty: 0`,
-`tools: []`, `response_format: {"type": "text"}` ...) or where it changes no output (`user`,
+`functions: []` ...) or where it changes no output (`user`,
 `metadata`, `safety_identifier`, `prompt_cache_key`: labels and hints). Limits (stop strings, the
 prompt's size before it is tokenized) come from `ServerLimits`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.params import SamplingParams
+from draftwise.sampling.structured_params import StructuredOutputsParams
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from draftwise.server.structured import StructuredRequestError, requested_structure
+from draftwise.server.tools import ToolPlan, ToolRequestError, assistant_calls, plan_tools
 
 LATER = {"penalties": "penalties and logit_bias are not implemented yet",
          "logprobs": "logprobs are not implemented yet",
          "n": "one choice per request (n = 1, best_of = 1)",
-         "tools": "tools and function calling are not implemented yet",
-         "format": "structured outputs (response_format) are not implemented yet",
+         "functions": "the deprecated functions / function_call fields are not served; use tools and tool_choice",
          "fim": "echo and suffix are not implemented yet",
          "openai": "a feature of OpenAI's hosted models that this server does not have"}
 
@@ -39,8 +42,8 @@ _COMPLETIONS: dict[str, tuple[Callable, str]] = {
 }
 _CHAT: dict[str, tuple[Callable, str]] = {
     "audio": (lambda v: v is None, LATER["openai"]),
-    "function_call": (lambda v: v in (None, "none"), LATER["tools"]),
-    "functions": (lambda v: not v, LATER["tools"]),
+    "function_call": (lambda v: v in (None, "none"), LATER["functions"]),
+    "functions": (lambda v: not v, LATER["functions"]),
     "logprobs": (lambda v: v in (None, False), LATER["logprobs"]),
     "top_logprobs": (lambda v: v in (None, 0), LATER["logprobs"]),
     "modalities": (lambda v: v in (None, ["text"]), "only text output is served"),
@@ -49,11 +52,8 @@ _CHAT: dict[str, tuple[Callable, str]] = {
     "prompt_cache_options": (lambda v: v is None, LATER["openai"]),
     "prompt_cache_retention": (lambda v: v is None, LATER["openai"]),
     "reasoning_effort": (lambda v: v is None, "this model does not reason in a separate channel"),
-    "response_format": (lambda v: v in (None, {"type": "text"}), LATER["format"]),
     "service_tier": (lambda v: v in (None, "auto", "default"), LATER["openai"]),
     "store": (lambda v: v in (None, False), "completions are not stored"),
-    "tool_choice": (lambda v: v in (None, "none"), LATER["tools"]),
-    "tools": (lambda v: not v, LATER["tools"]),
     "verbosity": (lambda v: v is None, LATER["openai"]),
     "web_search_options": (lambda v: v is None, LATER["openai"]),
 }
@@ -96,6 +96,9 @@ class EngineRequest:
     text: str | None = None  # a completion's prompt text
     token_ids: list[int] | None = None  # a completion's prompt as token ids
     messages: list[dict] | None = None  # a chat: [{"role", "content"}] for the chat template
+    tools: list[dict] | None = None  # a chat's tools, for the chat template
+    calls_tools: bool = False  # the answer may call tools: read them out of its text
+    constraint_param: str | None = None  # the field that set a constraint (named when it does not compile)
     num_prompt_chars: int = 0  # the prompt's characters before tokenizing (the length check)
     chat: bool = False
     method: str | None = None  # the drafter it runs with (metrics), None: plain
@@ -103,7 +106,9 @@ class EngineRequest:
 
 def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
     _refuse_unserved(body, {**_COMMON, **_COMPLETIONS})
-    request = EngineRequest(_sampling_params(body, body.max_tokens, limits), _options(body, served))
+    structure, field = _structure(body)
+    request = EngineRequest(_sampling_params(body, body.max_tokens, limits, structure), _options(body, served),
+                            constraint_param=field)
     prompt = body.prompt
     if prompt is None:
         raise RequestError(400, "prompt is required", "prompt")
@@ -126,13 +131,37 @@ def completion_request(body: CompletionRequest, limits: ServerLimits, served: Se
     return request
 
 
-def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
+def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Served,
+                 chat_template: str | None = None, tool_tags_are_tokens: bool = True) -> EngineRequest:
+    """chat_template: the model's (whether it knows the tool-call format); tool_tags_are_tokens:
+    `<tool_call>` is a special token of its vocabulary."""
     _refuse_unserved(body, {**_COMMON, **_CHAT})
-    request = EngineRequest(_sampling_params(body, body.token_limit, limits), _options(body, served), chat=True)
-    request.messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)]
-    request.num_prompt_chars = sum(len(m["content"]) for m in request.messages)
+    structure, field = _structure(body)
+    try:
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, chat_template)
+    except ToolRequestError as error:
+        raise RequestError(400, str(error), error.param) from None
+    if tools is not None:
+        if structure is not None:
+            raise RequestError(400, f"{field} and tools cannot be combined (send tool_choice none to constrain "
+                               "a plain answer)", field)
+        structure, field = tools.constraint(tool_tags_are_tokens), "tools"
+    params = _sampling_params(body, body.token_limit, limits, structure, keep_special=tools is not None)
+    request = EngineRequest(params, _options(body, served), chat=True, constraint_param=field)
+    request.messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    request.num_prompt_chars = sum(len(m["content"] or "") for m in request.messages)
+    if tools is not None:
+        request.tools, request.calls_tools = tools.tools, True
+        request.num_prompt_chars += len(json.dumps(tools.tools))
     request.method = _method(request.options, served)
     return request
+
+
+def _structure(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    try:
+        return requested_structure(body)
+    except StructuredRequestError as error:
+        raise RequestError(400, str(error), error.param) from None
 
 
 def _refuse_unserved(body: SamplingFields, table: dict[str, tuple[Callable, str]]) -> None:
@@ -146,16 +175,42 @@ def _refuse_unserved(body: SamplingFields, table: dict[str, tuple[Callable, str]
                            "unsupported_parameter")
 
 
+def _message(message: ChatMessage, index: int) -> dict:
+    """A message as the chat template reads it: role and content, an assistant's tool calls, a tool
+    result's call id."""
+    where = f"messages[{index}]"
+    rendered = {"role": message.role}
+    if message.role == "assistant" and message.tool_calls:
+        try:
+            rendered["tool_calls"] = assistant_calls(message.tool_calls, where)
+        except ToolRequestError as error:
+            raise RequestError(400, str(error), error.param) from None
+        if message.content is None:
+            rendered["content"] = None
+            return rendered
+    if message.role == "tool":
+        if not isinstance(message.tool_call_id, str):
+            raise RequestError(400, f"{where}.tool_call_id is required on a tool message", f"{where}.tool_call_id")
+        rendered["tool_call_id"] = message.tool_call_id
+    rendered["content"] = _message_text(message, index)
+    return rendered
+
+
 def _message_text(message: ChatMessage, index: int) -> str:
     where = f"messages[{index}]"
-    if message.role in ("tool", "function"):
-        raise RequestError(400, f"{where}: {message.role} messages are not supported: {LATER['tools']}",
+    if message.role == "function":
+        raise RequestError(400, f"{where}: function messages are not supported: {LATER['functions']}",
                            f"{where}.role", "unsupported_parameter")
-    for key in ("tool_calls", "function_call"):
-        if getattr(message, key):
-            raise RequestError(400, f"{where}.{key} is not supported: {LATER['tools']}", f"{where}.{key}",
-                               "unsupported_parameter")
-    for key in ("tool_call_id", "refusal", "audio"):
+    if message.tool_calls and message.role != "assistant":
+        raise RequestError(400, f"{where}.tool_calls is only for assistant messages", f"{where}.tool_calls",
+                           "unsupported_parameter")
+    if message.function_call:
+        raise RequestError(400, f"{where}.function_call is not supported: {LATER['functions']}",
+                           f"{where}.function_call", "unsupported_parameter")
+    if message.tool_call_id is not None and message.role != "tool":
+        raise RequestError(400, f"{where}.tool_call_id is only for tool messages", f"{where}.tool_call_id",
+                           "unsupported_parameter")
+    for key in ("refusal", "audio"):
         if getattr(message, key) is not None:
             raise RequestError(400, f"{where}.{key} is not supported on a {message.role} message", f"{where}.{key}",
                                "unsupported_parameter")
@@ -178,7 +233,9 @@ def _message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: ServerLimits) -> SamplingParams:
+def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: ServerLimits,
+                     structure: StructuredOutputsParams | None, keep_special: bool = False) -> SamplingParams:
+    """keep_special: the answer's text keeps special tokens (a tool call's `<tool_call>` tags)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > limits.max_stop_sequences:
         raise RequestError(400, f"stop holds {len(stop)} sequences; at most {limits.max_stop_sequences}", "stop")
@@ -187,7 +244,8 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: Serve
     try:
         return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
-                              max_tokens=max_tokens, stop=stop, ignore_eos=bool(body.ignore_eos))
+                              max_tokens=max_tokens, stop=stop, ignore_eos=bool(body.ignore_eos),
+                              structured_outputs=structure, skip_special_tokens=not keep_special)
     except InvalidParameterError as error:
         raise RequestError(400, str(error), _param_named(str(error))) from None
 

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from draftwise.engine.outputs import RequestOutput
+from draftwise.server.tools import answer_message
 
 
 def new_id(prefix: str) -> str:
@@ -30,10 +31,16 @@ def chunk(request_id: str, created: int, model: str, chat: bool, content, finish
             "choices": [choice]}
 
 
-def response_body(output: RequestOutput, request_id: str, created: int, model: str, chat: bool) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": output.text},
-               "finish_reason": output.finish_reason, "logprobs": None} if chat
-              else {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": None})
+def response_body(output: RequestOutput, request_id: str, created: int, model: str, chat: bool,
+                  calls_tools: bool = False) -> dict:
+    """calls_tools: the answer may call tools; its calls become the message's `tool_calls`."""
+    if not chat:
+        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": None}
+    else:
+        message, called = answer_message(output.text) if calls_tools else ({"role": "assistant",
+                                                                             "content": output.text}, False)
+        finish_reason = "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
     return {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
             "choices": [choice], "usage": usage(output)}
 

@@ -9,6 +9,7 @@ from draftwise.server.handler import RequestHandler, parse_body
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from draftwise.server.requests import chat_request, completion_request
 from draftwise.server.responses import now
+from draftwise.structured.tool_calls import OPEN
 
 router = APIRouter()
 
@@ -50,4 +51,7 @@ async def chat_completions(request: Request):
     handler = handler_of(request)
     body = await parse_body(request, ChatCompletionRequest)
     handler.check_model(body.model)  # before any template work
-    return await handler.run(request, body, chat_request(body, handler.limits, handler.served))
+    tokenizer = handler.engine.llm.tokenizer
+    tag = tokenizer.token_to_id(OPEN)
+    return await handler.run(request, body, chat_request(body, handler.limits, handler.served, tokenizer.chat_template,
+                                                         tag is not None and tag in tokenizer.special_token_ids))

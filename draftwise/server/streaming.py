@@ -16,6 +16,7 @@ from draftwise.server.async_engine import EngineStopped
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import error_body
 from draftwise.server.responses import DONE, chunk, object_name, sse, usage
+from draftwise.server.tools import ToolCallStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class StreamContext:
     include_usage: bool
     segment: str
     method: str | None
+    calls_tools: bool = False  # the answer may call tools: calls stream as tool_calls deltas
 
 
 async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput], context: StreamContext,
@@ -35,6 +37,7 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
     last_time = time.perf_counter()
     final = first
     ended = False
+    calls = ToolCallStream() if chat and context.calls_tools else None
     try:
         if chat:
             yield sse(chunk(context.request_id, context.created, context.model, chat,
@@ -51,12 +54,18 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
                 now_time = time.perf_counter()
                 metrics.observe_tokens(output.num_new_tokens, now_time - last_time)
                 last_time = now_time
-                content = {"content": output.delta} if chat else output.delta
-                if output.delta:
+                if calls is not None:
+                    deltas = calls.feed(output.delta, output.finished)
+                else:
+                    deltas = [{"content": output.delta} if chat else output.delta] if output.delta else []
+                for content in deltas:
                     yield sse(chunk(context.request_id, context.created, context.model, chat, content, None))
                 if output.finished:
+                    reason = output.finish_reason
+                    if calls is not None and calls.called and reason == "stop":
+                        reason = "tool_calls"
                     yield sse(chunk(context.request_id, context.created, context.model, chat, {} if chat else "",
-                                    output.finish_reason))
+                                    reason))
             final = output
             if output.finished:
                 break

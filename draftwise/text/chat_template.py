@@ -66,12 +66,13 @@ class ChatTemplate:
         self._token_variables = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._compiled: Template | None = None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The prompt text for a conversation. Messages reach the template as they are given (a
-        content string, or a list of content parts if the caller passes one): the template decides."""
+        content string, or a list of content parts if the caller passes one): the template decides.
+        tools: OpenAI's tool list, for templates that render it (None: the template sees none)."""
         template = self._compile()
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                    **self._token_variables)
         except _TemplateRefusal as refusal:
             raise ChatTemplateError(f"the chat template of {self.model_name!r} refused the conversation: "

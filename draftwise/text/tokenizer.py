@@ -80,15 +80,19 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by the model's chat template (raises ChatTemplateError).
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The conversation rendered by the model's chat template (raises ChatTemplateError), with
+        the tools the model may call (OpenAI's `tools` list) where the template renders them.
         Its text is not safe to `encode`: message text may spell control tokens; use `encode_chat`."""
-        return self._template().render(messages, add_generation_prompt)
+        return self._template().render(messages, add_generation_prompt, tools)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation, in which control tokens come only from the template.
 
-        Every string the messages hold (content, text parts, names, tool-call arguments) is tokenized
+        Every string the messages and tools hold (content, text parts, names, tool-call arguments,
+        function descriptions) is tokenized
         as plain text, so a user writing `<|im_start|>system` gets those characters, not the control
         tokens (`chat_isolation` finds the strings in the rendering). When no string holds the text of
         an added token, the ids are exactly `encode(apply_chat_template(messages))`. Every added token
@@ -97,12 +101,13 @@ class Tokenizer:
         text (then it cannot be isolated, and the conversation is refused).
         """
         template = self._template()
-        rendered = template.render(messages, add_generation_prompt)
+        rendered = template.render(messages, add_generation_prompt, tools)
 
-        def render(guarded: list[dict]) -> str:
-            return template.render(guarded, add_generation_prompt)
+        def render(guarded: list) -> str:
+            return template.render(guarded[0], add_generation_prompt, guarded[1] if tools else None)
 
-        pieces = isolate_client_text(messages, rendered, render, self._find_control_text)
+        # (the tools' descriptions are client text too)
+        pieces = isolate_client_text([messages, tools or []], rendered, render, self._find_control_text)
         return self.encode(rendered) if pieces is None else self._encode_isolated(pieces)
 
     def _encode_isolated(self, pieces: list[Piece]) -> list[int]:
