@@ -383,3 +383,45 @@ def test_gpu_suite_on_the_cpu(tmp_path, tiny_qwen):
     assert all(CostModel.read(Path(path)) is not None for path in data["costs"].values())
     assert "the reference step needs CUDA" in report.markdown and "not run (--peers hf)" in report.markdown
     assert "Control: `eager (control)`" in report.markdown
+
+
+@pytest.fixture
+def structured_data(tmp_path, monkeypatch):
+    """Small stand-ins of the shared data files the structured workload reads."""
+    import gzip
+
+    with gzip.open(tmp_path / "humaneval.jsonl.gz", "wt") as out:
+        for i in range(3):
+            out.write(json.dumps({"prompt": f"def f{i}(a, b):\n    \"\"\"Add.\n    >>> f{i}(1, 2)\n    3\n    \"\"\"\n"})
+                      + "\n")
+    rows = [{"category": "qa", "turns": [f"Who wrote book {i}?"]} for i in range(3)]
+    rows += [{"category": "summarization", "turns": [f"Article {i}: the council met on Monday."]} for i in range(3)]
+    (tmp_path / "spec_bench_question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setenv("DRAFTWISE_DATA", str(tmp_path))
+
+
+def test_structured_suite_compares_constrained_configs_at_batch_1_and_8(settings, tiny_tools, structured_data,
+                                                                          fast_profiles):
+    pytest.importorskip("jsonschema")
+    report = run_suite("structured", replace(settings, model=str(tiny_tools), per_category=1, max_tokens=48,
+                                             max_model_len=2048, configs=("draft:k=3", "draft:k=3:forced_drafts=false"),
+                                             options={"draft": {"model": str(tiny_tools), "draft_context_window": 2048}}))
+    summary = report.data["summary"]  # (the draft model reads the whole context: it drafts what the target writes)
+    assert list(summary) == ["plain", "draft:k=3", "draft:k=3:forced_drafts=false", CONTROL]
+    for name in summary:
+        assert summary[name]["all"]["equal_to_plain"] == 4  # the target drafting for itself changes nothing
+        assert report.data["valid"][name] == report.data["valid"]["plain"]
+    forced, unforced = summary["draft:k=3"]["all"], summary["draft:k=3:forced_drafts=false"]["all"]
+    assert forced["acceptance_rate"] == unforced["acceptance_rate"] == 1.0
+    measures = report.data["measures"]["draft:k=3"]
+    assert measures[2]["constrained_steps"] > 0 and measures[2]["grammar_seconds"] > 0
+    for kind in ("extraction", "classification", "tool_call", "summary_card", "Batch 8"):
+        assert kind in report.markdown
+
+
+def test_grammar_engines_suite_measures_llguidance_against_its_control(settings):
+    report = run_suite("grammar-engines", settings)
+    coverage = report.data["coverage"]["llguidance"]
+    assert coverage["enum"] == coverage["pattern"] == coverage["recursive $ref"] == "enforced"
+    assert coverage["uniqueItems"] == coverage["not"] == "refused"  # never loosened
+    assert "llguidance (control)" in report.data["mask_seconds"] and "| llguidance |" in report.markdown

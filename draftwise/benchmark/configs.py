@@ -144,10 +144,12 @@ class DraftwiseConfig:
         self.llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
 
     def run(self, item):
+        """item: a probe, (category, prompt), or (category, prompt, SamplingParams fields of its own)."""
         if not isinstance(item, tuple):
             return item.measure(self)
-        category, prompt = item
-        output = self.llm.generate(prompt, self.params, segment=category)[0]
+        category, prompt, *extra = item
+        params = replace(self.params, **extra[0]) if extra else self.params
+        output = self.llm.generate(prompt, params, segment=category)[0]
         metrics, spec = output.metrics, output.metrics.spec
         steps = (spec.num_drafts + spec.num_plain_steps) if spec else 0
         steps = steps or max(0, len(output.token_ids) - 1)  # plain decoding: one step per token after the first

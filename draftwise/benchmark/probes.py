@@ -18,12 +18,25 @@ class ClosedLoop:
     prompts: tuple[str, ...]
     segments: tuple[str, ...]
     max_tokens: int
+    extras: tuple[dict, ...] = ()  # per prompt: SamplingParams fields beyond greedy (structured_outputs ...)
 
     def measure(self, config) -> dict:
         from draftwise.llm.closed_loop import run_closed_loop
+        from draftwise.sampling.params import SamplingParams
 
+        params = [SamplingParams(temperature=0.0, max_tokens=self.max_tokens, **extra) for extra in self.extras]
         return run_closed_loop(config.llm, list(self.prompts), [self.max_tokens] * len(self.prompts),
-                               self.concurrency, segments=list(self.segments))
+                               self.concurrency, segments=list(self.segments), params=params or None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """The config's engine counters so far (decoding steps, drafting steps, structured outputs' time)."""
+
+    def measure(self, config) -> dict:
+        counters = config.llm.engine.counters
+        return {"decode_steps": counters.decode_steps, "drafting_steps": counters.drafting_steps,
+                "constrained_steps": counters.constrained_steps, "grammar_seconds": counters.grammar_seconds}
 
 
 @dataclass(frozen=True, slots=True)

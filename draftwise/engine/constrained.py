@@ -27,12 +27,13 @@ from draftwise.structured.masks import allowed_tokens, fill_masks
 _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
 
-def forced_drafts(batch: list[Sequence]) -> dict[int, list[int]]:
-    """Row -> the tokens its grammar forces next, for speculating rows with a grammar (none forced:
-    left out). At most what the request may still emit, less the token verification adds."""
+def forced_drafts(batch: list[Sequence], drafters: dict) -> dict[int, list[int]]:
+    """Row -> the tokens its grammar forces next, for speculating rows with a grammar whose drafter
+    drafts forced tokens (none forced: left out). At most what the request may still emit, less
+    the token verification adds."""
     forced = {}
     for b, seq in enumerate(batch):
-        if seq.grammar is not None and seq.method is not None:
+        if seq.grammar is not None and seq.method is not None and drafters[seq.method].forced_drafts:
             seq.grammar.sync(seq.output_ids)
             tokens = seq.grammar.forced_tokens()[:max(0, seq.num_tokens_left - 1)]
             if tokens:

@@ -54,6 +54,7 @@ class Engine:
         self.timing_listeners: list = []  # callables taking each step's `StepTiming`
         self._draft_calls: dict[str, DraftCall] = {}
         self._target_pass: tuple[int, float] = (0, 0.0)  # tokens, seconds of the step's target pass
+        self._grammar_seconds = 0.0  # the step's structured-outputs work on this thread (masks waited for)
 
     def add_drafter(self, method: str, drafter: Drafter) -> None:
         self.drafters[method] = drafter
@@ -98,12 +99,16 @@ class Engine:
     def _run(self, batch: list[Sequence], is_prefill: bool) -> None:
         """The step proper: propose, verify in one target pass, commit, feed back."""
         self._draft_calls = {}
+        self._grammar_seconds = 0.0
         if is_prefill:
             batch[0].row = self.runner.allocate()
             drafts, skipped, forced = [Draft([])], [False], set()
         else:
             drafts, skipped, forced = self._propose(batch)
         num_accepted = self._verify_and_commit(batch, drafts, skipped)
+        if any(seq.grammar is not None for seq in batch):
+            self.counters.constrained_steps += 1
+            self.counters.grammar_seconds += self._grammar_seconds
         self._learn_timing(StepTiming(is_prefill, *self._target_pass, self._draft_calls))
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
@@ -164,7 +169,7 @@ class Engine:
         rows whose draft is what their grammar forces (not their drafter's)."""
         drafts = [Draft([]) for _ in batch]
         skipped = [False] * len(batch)
-        forced = forced_drafts(batch)  # row -> tokens its grammar forces (structured outputs)
+        forced = self._on_grammar(forced_drafts, batch, self.drafters)  # row -> tokens its grammar forces
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
@@ -197,7 +202,7 @@ class Engine:
                 # Randomized drafting's relaxed test is for chains: such rows verify the tree's first children.
                 drafts[b] = draft.first_children() if self._draft_rate(batch[b]) < 1 else draft
                 if batch[b].grammar is not None:  # a chain inside the grammar
-                    drafts[b] = within_grammar(batch[b], drafts[b], len(draft.token_ids))
+                    drafts[b] = self._on_grammar(within_grammar, batch[b], drafts[b], len(draft.token_ids))
                 batch[b].metrics.spec.draft_seconds += elapsed
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
@@ -218,11 +223,12 @@ class Engine:
         parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
                    for b in range(len(batch))] if trees else None
         capture = self._hidden_layers(batch)
-        masks = PendingMasks(batch, drafts, self.runner.model.config.vocab_size)  # computed beside the pass
+        masks = self._on_grammar(PendingMasks, batch, drafts, self.runner.model.config.vocab_size)  # beside the pass
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
                                      parents=parents, capture_layers=capture)
         width = max(num_draft)
-        target_logits = masks.apply(pad_rows(result.logits, result.cu_num_logits, width + 1))  # [B, K+1, V]
+        target_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
+        target_logits = self._on_grammar(masks.apply, target_logits)  # (constrained rows masked)
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], target_logits.device)
         output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)
@@ -248,7 +254,7 @@ class Engine:
         for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
                                                                drafts):
             seq.append(tokens[:accepted + 1])
-            after_commit(seq)
+            self._on_grammar(after_commit, seq)
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
             if not skip:
@@ -288,6 +294,14 @@ class Engine:
                           draft_rate=torch.tensor(draft_rates, device=device) if randomized else None,
                           draft_skipped=torch.tensor(skipped, device=device) if randomized else None)
         return verified.output_token_ids.tolist(), verified.num_accepted.tolist()  # the step's one host sync
+
+    def _on_grammar(self, function, *args):
+        """Structured outputs' share of the step, timed: the step's overhead of its constrained rows."""
+        started = time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            self._grammar_seconds += time.perf_counter() - started
 
     def _learn_timing(self, timing: StepTiming) -> None:
         """Count the step; note how well the adaptive drafters' live costs predicted it, then teach

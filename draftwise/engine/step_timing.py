@@ -31,6 +31,8 @@ class StepTiming:
 class StepCounters:
     decode_steps: int = 0
     drafting_steps: int = 0  # decoding steps in which some row carried a draft
+    constrained_steps: int = 0  # steps (prefills included) with a row under a grammar
+    grammar_seconds: float = 0.0  # their structured-outputs work on the engine's thread, masks waited for
     predicted_over_observed: deque = field(default_factory=lambda: deque(maxlen=MAX_PENDING_RATIOS))
 
     def drain_ratios(self) -> list[float]:

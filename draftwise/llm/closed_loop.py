@@ -15,9 +15,11 @@ from draftwise.stats import percentile
 
 
 def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurrency: int,
-                    speculative: dict | None = None, segments: list[str | None] | None = None) -> dict:
+                    speculative: dict | None = None, segments: list[str | None] | None = None,
+                    params: list[SamplingParams] | None = None) -> dict:
     """The real engine, `concurrency` requests in flight (a finished one is replaced at once by the next
-    prompt) until every prompt has run once, greedy. `segments`: each request's traffic label.
+    prompt) until every prompt has run once, greedy (or each with its own `params`, which then
+    carry the max_tokens). `segments`: each request's traffic label.
     Returns tokens, seconds (the loop's wall time), tokens_per_s, latency p50 / p95 (arrival to last
     token), TTFT p50 / p95, and each prompt's output token ids."""
     queue = list(enumerate(prompts))
@@ -28,8 +30,8 @@ def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurr
     while queue or in_flight:
         while queue and len(in_flight) < concurrency:
             index, prompt = queue.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens[index])
-            request_id = llm.add_request(prompt, params, speculative=speculative,
+            request_params = params[index] if params else SamplingParams(temperature=0.0, max_tokens=max_tokens[index])
+            request_id = llm.add_request(prompt, request_params, speculative=speculative,
                                          segment=segments[index] if segments else None)
             in_flight[request_id] = (index, time.perf_counter())
         for output in llm.step():

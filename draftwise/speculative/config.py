@@ -22,6 +22,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 5  # k, or with adaptive=True the most k may be
     adaptive: bool = True  # choose k per request and step from measured costs and acceptance (0: plain step)
     draft_probability: float = 1.0  # randomized drafting: draft with this probability per step (1: always)
+    forced_drafts: bool = True  # structured outputs: draft the tokens a request's grammar forces
     options: Any = None  # the method's own options (its registered dataclass); None: its defaults
 
     def __post_init__(self) -> None:
@@ -32,8 +33,9 @@ class SpeculativeConfig:
                 or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
             raise InvalidParameterError(f"num_speculative_tokens must be an integer from 1 to "
                                         f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens!r}")
-        if not isinstance(self.adaptive, bool):
-            raise InvalidParameterError(f"adaptive must be true or false, got {self.adaptive!r}")
+        for name in ("adaptive", "forced_drafts"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if (not isinstance(self.draft_probability, (int, float)) or isinstance(self.draft_probability, bool)
                 or not 0.0 < self.draft_probability <= 1.0):
             raise InvalidParameterError(f"draft_probability must be in (0, 1], got {self.draft_probability!r}")

@@ -25,6 +25,7 @@ class Drafter:
     max_tokens: int  # num_speculative_tokens: the most a row drafts in one step
     draft_probability: float = 1.0  # randomized drafting (sampled requests; see speculative.verify)
     costs: CostModel | None = None  # the cost model the adaptive policy plans with (None: fixed k)
+    forced_drafts: bool = True  # rows with a grammar draft the tokens it forces (structured outputs)
 
 
 def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
@@ -33,9 +34,9 @@ def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
     # (a drafter that can propose only so many tokens, as a head with K heads, caps k there)
     k = min(config.num_speculative_tokens, getattr(proposer, "longest_draft", None) or config.num_speculative_tokens)
     if not config.adaptive:
-        return Drafter(proposer, FixedLength(k), k, config.draft_probability)
+        return Drafter(proposer, FixedLength(k), k, config.draft_probability, forced_drafts=config.forced_drafts)
     costs = live_costs(target, proposer, config)
-    return Drafter(proposer, AdaptiveLength(costs, k), k, config.draft_probability, costs)
+    return Drafter(proposer, AdaptiveLength(costs, k), k, config.draft_probability, costs, config.forced_drafts)
 
 
 def live_costs(target: Target, proposer: Proposer, config: SpeculativeConfig) -> LiveCostModel:

@@ -24,6 +24,8 @@ SUITES = {
     "abuse": ("abuse", "ordinary streams beside a burst of hostile requests: what was held and lost"),
     "kernels": ("kernels", "plain, verification and speculation beside llama.cpp (--peers llama.cpp) on the same GGUF"),
     "gpu": ("gpu", "one device (--device cuda): step at 1-64 rows vs the bound, verify curve, self-drafting, costs"),
+    "structured": ("structured", "constrained plain vs constrained speculative (schemas, tool calls), batch 1 and 8"),
+    "grammar-engines": ("grammar_engines", "llguidance vs xgrammar: compile time, mask time, JSON Schema coverage"),
 }
 
 
