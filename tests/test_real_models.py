@@ -144,3 +144,41 @@ def test_real_quantized_target_is_deterministic_sensible_and_close_to_fp32(targe
     agreement = (fp32_top == int4_top).float().mean().item()
     print(f"int4 vs fp32 top-1 agreement: {agreement:.1%} over {len(ids)} positions")
     assert agreement > 0.85
+
+
+def test_real_structured_outputs_and_tool_calls(quantized_target):
+    """The real target held to a schema, plain and speculating (prompt lookup, which drafts the
+    tokens the schema forces), with the same output; and a tool call chosen on its own (`auto`)."""
+    import json
+
+    import jsonschema
+
+    from draftwise.server.tools import plan_tools
+    from draftwise.structured.tool_calls import split_tool_calls
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "year": {"type": "integer"}},
+              "required": ["name", "year"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Who created the Python language, and in which year was it first "
+                                            "released? Answer in JSON."}]
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs={"json": schema})
+    plain = quantized_target.chat(messages, params)[0]
+    answer = json.loads(plain.text)
+    jsonschema.validate(answer, schema)
+    assert "Guido" in answer["name"] and 1989 <= answer["year"] <= 1991, answer
+    speculating = LLM("qwen2.5-coder-1.5b", max_model_len=1024, max_num_seqs=2,
+                      speculative={"method": "ngram", "num_speculative_tokens": 6, "adaptive": False})
+    drafted = speculating.chat(messages, params)[0]
+    assert drafted.token_ids == plain.token_ids and drafted.metrics.spec.num_accepted_tokens > 0
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    tokenizer = speculating.tokenizer
+    plan = plan_tools(tools, "auto", None, tokenizer.chat_template)
+    prompt = {"prompt_token_ids": tokenizer.encode_chat([{"role": "user", "content": "What is the weather in "
+                                                                                     "Paris right now?"}], tools=tools),
+              "prompt": ""}
+    output = speculating.generate(prompt, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False,
+                                                         structured_outputs=plan.constraint(tags_are_tokens=True)))[0]
+    _, calls = split_tool_calls(output.text)
+    assert [call.name for call in calls] == ["get_weather"] and json.loads(calls[0].arguments)["city"] == "Paris"

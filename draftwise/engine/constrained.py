@@ -4,7 +4,8 @@
   at its first token the grammar does not allow, so the target never spends a pass on what
   follows it (`within_grammar`: where exactly, and why, depends on how the row is verified).
 - Tokens the grammar forces (keys, punctuation, the rest of an enum value) are the draft of a
-  speculating row: a point mass that the target still verifies, so a forced run costs one pass.
+  speculating row where its drafter's (cut) draft is shorter: a point mass that the target still
+  verifies, so a forced run costs one pass.
 - Every position a row verifies is masked: the target's logits there keep only the tokens the
   grammar allows after the row's committed tokens and its draft so far. Verification then compares
   the draft with the masked target, exactly as plain constrained decoding samples from it (greedy:
@@ -27,18 +28,30 @@ from draftwise.structured.masks import allowed_tokens, fill_masks
 _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
 
-def forced_drafts(batch: list[Sequence], drafters: dict) -> dict[int, list[int]]:
+def forced_drafts(batch: list[Sequence], drafters: dict, draft_rate) -> dict[int, list[int]]:
     """Row -> the tokens its grammar forces next, for speculating rows with a grammar whose drafter
-    drafts forced tokens (none forced: left out). At most what the request may still emit, less
-    the token verification adds."""
+    drafts forced tokens (none forced: left out). At most what the request may still emit (less
+    the token verification adds) and the row's own cap on k. Not for rows under randomized
+    drafting (draft_rate below 1): its proof needs the proposal q that heads draft from to be the
+    one tails' residual max(0, p - a q) subtracts, and whether forced tokens replace a draft
+    depends on the draft's length, which differs between heads (k tokens) and tails (one)."""
     forced = {}
     for b, seq in enumerate(batch):
-        if seq.grammar is not None and seq.method is not None and drafters[seq.method].forced_drafts:
+        if (seq.grammar is not None and seq.method is not None and drafters[seq.method].forced_drafts
+                and draft_rate(seq) == 1):
             seq.grammar.sync(seq.output_ids)
-            tokens = seq.grammar.forced_tokens()[:max(0, seq.num_tokens_left - 1)]
+            tokens = seq.grammar.forced_tokens()[:max(0, min(seq.num_tokens_left - 1, seq.max_draft_tokens or 64))]
             if tokens:
                 forced[b] = tokens
     return forced
+
+
+def with_forced(draft: Draft, forced: list[int]) -> tuple[Draft, bool]:
+    """The row's draft, or the forced tokens where they are longer (a drafter that drafted as far
+    says the same text in the model's own tokens, or more); and whether the forced tokens won."""
+    if len(draft.token_ids) >= len(forced):
+        return draft, False
+    return Draft(list(forced)), True
 
 
 def within_grammar(seq: Sequence, draft: Draft, limit: int) -> Draft:

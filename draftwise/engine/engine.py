@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, within_grammar
+from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, with_forced, within_grammar
 from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
@@ -169,7 +169,7 @@ class Engine:
         rows whose draft is what their grammar forces (not their drafter's)."""
         drafts = [Draft([]) for _ in batch]
         skipped = [False] * len(batch)
-        forced = self._on_grammar(forced_drafts, batch, self.drafters)  # row -> tokens its grammar forces
+        forced = self._on_grammar(forced_drafts, batch, self.drafters, self._draft_rate)  # row -> forced tokens
         for method, rows in _rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
@@ -178,15 +178,11 @@ class Engine:
             # Never draft past what the request may still emit: the verification adds one token.
             num_tokens = [max(0, min(k, seq.num_tokens_left - 1, seq.max_draft_tokens or k))
                           for k, seq in zip(choices, seqs)]
-            num_tokens = [0 if b in forced else k for b, k in zip(rows, num_tokens)]  # (they draft what is forced)
             self.last_num_tokens[method] = sum(num_tokens) / len(num_tokens)
             if drafter.draft_probability < 1:
                 for i, seq in enumerate(seqs):
                     if num_tokens[i] and self._draft_rate(seq) < 1 and not _coin(drafter.draft_probability):
                         num_tokens[i], skipped[rows[i]] = 1, True  # tails: a plain step, which needs q at position 1
-            for b, seq in zip(rows, seqs):
-                if b in forced:
-                    drafts[b] = Draft(forced[b][:min(drafter.max_tokens, seq.max_draft_tokens or drafter.max_tokens)])
             if not any(num_tokens):
                 continue
             start = time.perf_counter()
@@ -194,8 +190,6 @@ class Engine:
             elapsed = time.perf_counter() - start
             self._draft_calls[method] = DraftCall(num_tokens, elapsed, lags)
             for b, draft in zip(rows, proposals):
-                if b in forced:
-                    continue
                 if draft.scores is not None and drafter.costs is not None:  # a tree: the part that pays
                     draft = draft.prefix(nodes_that_pay(draft.scores, drafter.costs.target_seconds,
                                                         elapsed / len(rows), draft.kept_nodes))
@@ -204,6 +198,10 @@ class Engine:
                 if batch[b].grammar is not None:  # a chain inside the grammar
                     drafts[b] = self._on_grammar(within_grammar, batch[b], drafts[b], len(draft.token_ids))
                 batch[b].metrics.spec.draft_seconds += elapsed
+        for b, tokens in list(forced.items()):  # what the grammar forces, unless the drafter says more
+            drafts[b], took_forced = with_forced(drafts[b], tokens[:self.drafters[batch[b].method].max_tokens])
+            if not took_forced:
+                del forced[b]
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
             if seq.method is not None and (skip or not draft.token_ids):
