@@ -8,8 +8,8 @@ Reported per config: speedup per kind and overall, the share of answers that par
 against their schema (a tool call: its name one of the tools, its arguments valid against that
 tool's schema), tau (tokens after the first per decoding step), outputs = plain, and structured
 outputs' own time on the engine's thread per constrained step against a plain step (a 1-token pass
-after 256 tokens, measured in the same run). Configs default to the draft model with and without
-forced-token drafting (`forced_drafts=false`) and prompt lookup.
+after 256 tokens, measured in the same run). Configs default to the drafters benchmarked by default,
+adaptive, and the first of them again without forced-token drafting (`forced_drafts=false`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from draftwise.benchmark.configs import CONTROL, PLAIN, LLMRecipe, config_recipes
+from draftwise.benchmark.configs import CONTROL, LLMRecipe, config_recipes, default_configs
 from draftwise.benchmark.probes import ClosedLoop, EngineCounters, ForwardCost
 from draftwise.benchmark.report import SuiteReport, control_line, number, percent, ratio, table
 from draftwise.benchmark.runner import lineup, run_benchmark
@@ -29,7 +29,6 @@ from draftwise.errors import InvalidParameterError
 from draftwise.sampling.params import SamplingParams
 from draftwise.structured.tool_calls import OPEN, split_tool_calls
 
-DEFAULT_CONFIGS = ["draft:k=4", "draft:k=4:forced_drafts=false", "ngram"]
 BATCH = 8
 
 
@@ -44,7 +43,8 @@ def run(settings: BenchSettings) -> SuiteReport:
     items = structured_workload(tokenizer, settings.per_category or 3,
                                 tags_are_tokens=tag is not None and tag in tokenizer.special_token_ids)
     max_tokens = settings.max_tokens or 256
-    configs = settings.configs_or(DEFAULT_CONFIGS)
+    defaults = default_configs()
+    configs = settings.configs_or(defaults + [f"{defaults[0]}:forced_drafts=false"] if defaults else [])
     base = LLMRecipe(settings.model, max_num_seqs=BATCH, max_model_len=settings.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     probes = [ClosedLoop(BATCH, tuple(p for _, p, _ in items), tuple(k for k, _, _ in items), max_tokens,
