@@ -60,10 +60,9 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
 
     refused = [(name, value) for name, value in (
-        ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}), ("n", 2),
-        ("best_of", 2), ("echo", True), ("suffix", "}"), ("logprobs", 3))]
+        ("n", 2), ("best_of", 2), ("echo", True), ("suffix", "}"), ("spaces_between_special_tokens", True))]
     chat_refused = [(name, value) for name, value in (
-        ("functions", [{"name": "f"}]), ("logprobs", True), ("top_logprobs", 3), ("modalities", ["text", "audio"]),
+        ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]),
         ("store", True), ("reasoning_effort", "high"), ("prediction", {"type": "content", "content": "x"}))]
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
     return [
@@ -84,7 +83,7 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         Hostile("a string for an integer", 400, "max_tokens", json=completion(max_tokens="10")),
         Hostile("true for a number", 400, "temperature", json=completion(temperature=True)),
         Hostile("a string for a boolean", 400, "stream", json=completion(stream="yes")),
-        Hostile("an unknown field", 400, "min_p", json=completion(min_p=0.1), param="min_p"),
+        Hostile("an unknown field", 400, "mirostat_tau", json=completion(mirostat_tau=5.0), param="mirostat_tau"),
         Hostile("stream_options without stream", 400, "stream_options", json=completion(
             stream_options={"include_usage": True})),
         Hostile("malformed JSON", 400, "not valid JSON", content=b"{not json"),
@@ -92,6 +91,10 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         Hostile("the wrong method", 405, "not allowed", path="/v1/completions", method="GET"),
         Hostile("a DNS-rebinding Host", 400, "not allowed", json=completion(), headers={"host": "evil.example"}),
         Hostile("an image part", 400, "image_url", path="/v1/chat/completions", json=chat(messages=[image])),
+        Hostile("a penalty out of range", 400, "presence_penalty", json=completion(presence_penalty=5.0)),
+        Hostile("a logit bias past the vocabulary", 400, "logit_bias", json=completion(logit_bias={"99999999": 5})),
+        Hostile("top_logprobs without logprobs", 400, "top_logprobs", path="/v1/chat/completions",
+                json=chat(top_logprobs=3), param="top_logprobs"),
         Hostile("a tool message without its call id", 400, "tool_call_id", path="/v1/chat/completions",
                 json=chat(messages=[{"role": "tool", "content": "42"}])),
         Hostile("a response_format of an unknown type", 400, "response_format.type", path="/v1/chat/completions",

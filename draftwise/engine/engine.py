@@ -20,6 +20,8 @@ import time
 import torch
 
 from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, with_forced, within_grammar
+from draftwise.engine.logprobs import token_logprobs
+from draftwise.engine.processed import apply_processors, chain_rows
 from draftwise.engine.scheduler import Scheduler
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
@@ -202,6 +204,8 @@ class Engine:
             drafts[b], took_forced = with_forced(drafts[b], tokens[:self.drafters[batch[b].method].max_tokens])
             if not took_forced:
                 del forced[b]
+        for b in chain_rows(batch):
+            drafts[b] = drafts[b].first_children()
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
             if seq.method is not None and (skip or not draft.token_ids):
@@ -225,8 +229,9 @@ class Engine:
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
                                      parents=parents, capture_layers=capture)
         width = max(num_draft)
-        target_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
-        target_logits = self._on_grammar(masks.apply, target_logits)  # (constrained rows masked)
+        raw_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
+        target_logits = self._on_grammar(masks.apply, raw_logits)  # (constrained rows masked)
+        target_logits = apply_processors(batch, drafts, skipped, target_logits)  # (penalties, bias, ...)
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], target_logits.device)
         output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)
@@ -249,9 +254,12 @@ class Engine:
                                                 (paths[b] if b in paths else range(num_accepted[b]))])
                     for b in range(len(batch))]  # per row: indices into the pass's fed tokens
             self._hand_hidden(batch, {layer: [h[index] for index in kept] for layer, h in result.hidden.items()})
-        for seq, tokens, accepted, drafted, skip, draft in zip(batch, output_ids, num_accepted, num_draft, skipped,
-                                                               drafts):
-            seq.append(tokens[:accepted + 1])
+        for b, (seq, tokens, accepted, drafted, skip, draft) in enumerate(zip(batch, output_ids, num_accepted,
+                                                                              num_draft, skipped, drafts)):
+            committed = seq.append(tokens[:accepted + 1])
+            if seq.logprobs is not None:
+                seq.logprobs += token_logprobs(raw_logits[b], seq.output_ids[len(seq.output_ids) - committed:],
+                                               seq.params.logprobs)
             self._on_grammar(after_commit, seq)
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))

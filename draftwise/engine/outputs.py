@@ -47,12 +47,25 @@ class RequestMetrics:
         return text + (f"; {self.spec.summary()}" if self.spec is not None and self.spec.num_drafts else "")
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """vLLM's shape: a token's log-probability under the model (its raw logits' log-softmax, before
+    penalties, grammars and temperature) and its rank among all tokens (1: the most likely)."""
+    logprob: float
+    rank: int
+
+
+# One dict per generated token: token id -> Logprob, for the generated token and the top N.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "error", or None while running
+    logprobs: SampleLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +81,7 @@ class RequestOutput:
     error_reason: str | None = None  # a short label of the failure ("engine_error", "kv_cache_full")
     delta: str = ""  # from LLM.step: text new since the previous output (stop-string safe)
     num_new_tokens: int = 0  # from LLM.step: tokens new since the previous output
+    logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=N): one dict per generated token
 
     @property
     def finished(self) -> bool:
@@ -76,4 +90,4 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape: one completion per request."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]

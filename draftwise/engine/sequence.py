@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from draftwise.engine.outputs import RequestMetrics, RequestOutput
+from draftwise.engine.outputs import RequestMetrics, RequestOutput, SampleLogprobs
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.metrics import SpecMetrics
 from draftwise.structured.matcher import RequestGrammar
@@ -27,6 +27,8 @@ class Sequence:
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.error_reason: str | None = None  # a short label of the failure for metrics ("engine_error", ...)
         self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar
+        self.bad_words_ids: list[list[int]] = []  # params.bad_words as token ids (`processors.bad_word_ids`)
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
@@ -43,6 +45,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that end this request: EOS (unless ignored) and stop_token_ids."""
+        return self._eos_token_ids | self._stop_token_ids
 
     @property
     def num_tokens_left(self) -> int:
@@ -124,4 +131,5 @@ class Sequence:
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                              list(self.output_ids), self.finish_reason, self.metrics, error=self.error,
-                             error_reason=self.error_reason)
+                             error_reason=self.error_reason,
+                             logprobs=None if self.logprobs is None else list(self.logprobs))

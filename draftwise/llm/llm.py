@@ -22,6 +22,7 @@ from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
 from draftwise.sampling.params import SamplingParams
+from draftwise.sampling.processors import bad_word_ids
 from draftwise.speculative.config import SpeculativeConfig
 from draftwise.speculative.control.cost_model import CostModel
 from draftwise.speculative.drafter import build_drafter, measure_costs
@@ -184,6 +185,8 @@ class LLM:
         seq.segment = segment
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.request_grammar(params.structured_outputs)
+        if params.bad_words:
+            seq.bad_words_ids = bad_word_ids(params.bad_words, lambda text: self.tokenizer.encode_batch([text])[0])
         return seq
 
     @staticmethod

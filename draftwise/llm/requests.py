@@ -48,6 +48,8 @@ def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, voca
         raise InvalidParameterError(f"top_k must be at most the vocabulary size {vocab_size}, got {params.top_k}")
     if any(i >= vocab_size for i in params.stop_token_ids):
         raise InvalidParameterError(f"stop_token_ids hold an id >= the vocabulary's {vocab_size}")
+    if params.logit_bias and any(i >= vocab_size for i in params.logit_bias):
+        raise InvalidParameterError(f"logit_bias holds a token id >= the vocabulary's {vocab_size}")
 
 
 def check_prompt_ids(prompt_ids: list[int], max_model_len: int) -> None:

@@ -9,6 +9,7 @@ from draftwise.errors import InvalidParameterError, check_text
 from draftwise.sampling.structured_params import StructuredOutputsParams
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's and vLLM's limit)
 
 
 @dataclass(slots=True)
@@ -25,6 +26,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # what the output must match (a JSON Schema, a regex, a choice, a grammar); a dict of its fields is taken too
     structured_outputs: StructuredOutputsParams | None = None
+    # logits processors (`sampling.processors`), applied at every position speculation verifies
+    presence_penalty: float = 0.0  # minus this for each token already in the output, in [-2, 2]
+    frequency_penalty: float = 0.0  # minus this times its count in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # tokens of the prompt and output: positive logits / r, negative * r
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    min_tokens: int = 0  # EOS and stop_token_ids banned until this many tokens were generated
+    bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
+    logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
@@ -53,6 +63,35 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidParameterError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise InvalidParameterError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidParameterError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (self.max_tokens is not None
+                                                                   and self.min_tokens > self.max_tokens):
+            raise InvalidParameterError(f"min_tokens must be an integer from 0 to max_tokens, got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParameterError("logit_bias must map token ids to numbers")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.isdigit():
+                    token = int(token)  # (JSON keys are strings: OpenAI's logit_bias is {"50256": -100})
+                if not _is_int(token) or token < 0 or not _is_number(value) or not -100 <= value <= 100:
+                    raise InvalidParameterError(f"logit_bias must map token ids to numbers in [-100, 100], "
+                                                f"got {token!r}: {value!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias or None
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise InvalidParameterError("bad_words must be a list of non-empty strings")
+            self.bad_words = [check_text(w, "bad_words") for w in self.bad_words] or None
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidParameterError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -24,9 +24,11 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] (1.0 where greedy, so division is harmless)
     top_k: torch.Tensor  # [N] (vocab size where disabled)
     top_p: torch.Tensor  # [N]
+    min_p: torch.Tensor  # [N] (0: off)
     greedy: torch.Tensor  # [N] bool
     seeded: torch.Tensor  # [N] bool: sampled rows with a seed
     needs_sort: bool  # any row cuts by top-k or top-p
+    needs_min_p: bool  # any row cuts by min-p
     all_greedy: bool
     any_unseeded_sampled: bool  # any row samples from the global generator (rejection sampling verifies it)
     seeds: list[int | None]  # [N] each row's seed (None: the global generator)
@@ -42,9 +44,11 @@ class SamplingBatch:
             top_k=torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
                                device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
             seeded=torch.tensor([seed is not None for seed in seeds], dtype=torch.bool, device=device),
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            needs_min_p=any(p.min_p > 0 for p in params),
             all_greedy=all(p.greedy for p in params),
             any_unseeded_sampled=any(not p.greedy and p.seed is None for p in params),
             seeds=seeds,
@@ -60,25 +64,32 @@ class SamplingBatch:
         index = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
         seeds = [self.seeds[row] for row in rows]
         greedy = self.greedy[index]  # (the flags below stay the whole batch's: safe, if less tight)
-        return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], greedy,
-                             self.seeded[index], self.needs_sort, self.all_greedy, self.any_unseeded_sampled, seeds,
-                             [self.positions[row] for row in rows])
+        return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index], greedy,
+                             self.seeded[index], self.needs_sort, self.needs_min_p, self.all_greedy,
+                             self.any_unseeded_sampled, seeds, [self.positions[row] for row in rows])
 
     def repeat(self, times: int) -> "SamplingBatch":
         """Each row repeated `times` times in place (row 0, row 0, ..., row 1, ...): one per position,
         predicting positions p, p + 1, ..., p + times - 1."""
         return SamplingBatch(
             self.temperature.repeat_interleave(times), self.top_k.repeat_interleave(times),
-            self.top_p.repeat_interleave(times), self.greedy.repeat_interleave(times),
-            self.seeded.repeat_interleave(times), self.needs_sort, self.all_greedy, self.any_unseeded_sampled,
+            self.top_p.repeat_interleave(times), self.min_p.repeat_interleave(times),
+            self.greedy.repeat_interleave(times),
+            self.seeded.repeat_interleave(times), self.needs_sort, self.needs_min_p, self.all_greedy,
+            self.any_unseeded_sampled,
             [seed for seed in self.seeds for _ in range(times)],
             [position + i for position in self.positions for i in range(times)],
         )
 
 
 def warp_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Apply temperature, then top-k, then top-p to logits [N, V]; cut tokens become -inf."""
+    """Apply temperature, then min-p, then top-k, then top-p to logits [N, V] (vLLM's order); cut
+    tokens become -inf."""
     logits = logits.float() / batch.temperature[:, None]
+    if batch.needs_min_p:
+        # p(x) < min_p max p  <=>  logit(x) < max logit + log(min_p)
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p[:, None])
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if not batch.needs_sort:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]

@@ -18,6 +18,7 @@ from draftwise.server.async_engine import AsyncEngine, EngineDraining, EngineSto
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import SamplingFields
 from draftwise.server.requests import EngineRequest, RequestError, Served, ServerLimits
+from draftwise.server.logprobs import LogprobsFormat
 from draftwise.server.responses import new_id, now, response_body
 from draftwise.server.streaming import StreamContext, stream_events
 
@@ -44,8 +45,10 @@ class RequestHandler:
         outputs = self.engine.generate(prompt, engine_request.params, **engine_request.options)
         first = await self._first_output(outputs)
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
+        logprobs = self._logprobs_format(engine_request)
         context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
-                                self.metrics.segment(body.segment), engine_request.method, engine_request.calls_tools)
+                                self.metrics.segment(body.segment), engine_request.method, engine_request.calls_tools,
+                                logprobs)
         if body.stream:
             return StreamingResponse(stream_events(first, outputs, context, self.metrics),
                                      media_type="text/event-stream")
@@ -55,7 +58,15 @@ class RequestHandler:
                                kind="server_error", code=final.error_reason or "engine_error")
         self.metrics.observe_finished(final, context.segment, context.method)
         return JSONResponse(response_body(final, context.request_id, context.created, self.model_name,
-                                          engine_request.chat, engine_request.calls_tools))
+                                          engine_request.chat, engine_request.calls_tools, logprobs))
+
+    def _logprobs_format(self, request: EngineRequest) -> LogprobsFormat | None:
+        params = request.params
+        if params.logprobs is None:
+            return None
+        tokenizer = self.engine.llm.tokenizer
+        end_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else tokenizer.eos_token_ids)
+        return LogprobsFormat(tokenizer, params.logprobs, request.chat, end_ids)
 
     def _tokenize(self, request: EngineRequest) -> dict:
         """The prompt as token ids (a chat through its template), its length checked first; and the

@@ -42,7 +42,7 @@ class SamplingFields(BaseModel):
     model_config = Strict
     model: StrictStr
     frequency_penalty: Number | None = None
-    logit_bias: dict[StrictStr, StrictInt] | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
     n: StrictInt | None = None
     presence_penalty: Number | None = None
     seed: StrictInt | None = None
@@ -52,9 +52,17 @@ class SamplingFields(BaseModel):
     temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
     user: StrictStr | None = None
-    # draftwise's extensions
+    # draftwise's extensions, and vLLM's sampling fields
     top_k: StrictInt | None = Field(default=None, ge=-1)
     ignore_eos: StrictBool | None = None
+    repetition_penalty: Number | None = None
+    min_p: Number | None = None
+    min_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
     speculative: SpeculationRequest | None = None
     segment: StrictStr | None = Field(default=None, pattern=SEGMENT_PATTERN)
     # output constraints: OpenAI's response_format (vLLM takes it on completions too), vLLM's fields

@@ -20,32 +20,26 @@ from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, Comple
 from draftwise.server.structured import StructuredRequestError, requested_structure
 from draftwise.server.tools import ToolPlan, ToolRequestError, assistant_calls, plan_tools
 
-LATER = {"penalties": "penalties and logit_bias are not implemented yet",
-         "logprobs": "logprobs are not implemented yet",
-         "n": "one choice per request (n = 1, best_of = 1)",
+LATER = {"n": "one choice per request (n = 1, best_of = 1)",
          "functions": "the deprecated functions / function_call fields are not served; use tools and tool_choice",
          "fim": "echo and suffix are not implemented yet",
          "openai": "a feature of OpenAI's hosted models that this server does not have"}
 
 # field -> (is the value neutral?, why anything else is refused)
 _COMMON: dict[str, tuple[Callable, str]] = {
-    "frequency_penalty": (lambda v: v in (None, 0), LATER["penalties"]),
-    "presence_penalty": (lambda v: v in (None, 0), LATER["penalties"]),
-    "logit_bias": (lambda v: not v, LATER["penalties"]),
     "n": (lambda v: v in (None, 1), LATER["n"]),
+    "spaces_between_special_tokens": (lambda v: v in (None, False), "special tokens are decoded without spaces "
+                                                                    "between them (send false or leave it out)"),
 }
 _COMPLETIONS: dict[str, tuple[Callable, str]] = {
     "best_of": (lambda v: v in (None, 1), LATER["n"]),
     "echo": (lambda v: v in (None, False), LATER["fim"]),
-    "logprobs": (lambda v: v is None, LATER["logprobs"]),
     "suffix": (lambda v: v is None, LATER["fim"]),
 }
 _CHAT: dict[str, tuple[Callable, str]] = {
     "audio": (lambda v: v is None, LATER["openai"]),
     "function_call": (lambda v: v in (None, "none"), LATER["functions"]),
     "functions": (lambda v: not v, LATER["functions"]),
-    "logprobs": (lambda v: v in (None, False), LATER["logprobs"]),
-    "top_logprobs": (lambda v: v in (None, 0), LATER["logprobs"]),
     "modalities": (lambda v: v in (None, ["text"]), "only text output is served"),
     "moderation": (lambda v: v is None, LATER["openai"]),
     "prediction": (lambda v: v is None, "predicted outputs are not implemented yet"),
@@ -241,13 +235,28 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: Serve
         raise RequestError(400, f"stop holds {len(stop)} sequences; at most {limits.max_stop_sequences}", "stop")
     if any(len(s) > limits.max_stop_chars for s in stop):
         raise RequestError(400, f"a stop sequence is longer than {limits.max_stop_chars} characters", "stop")
+    optional = {name: getattr(body, name) for name in (
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
+        "bad_words", "stop_token_ids", "include_stop_str_in_output") if getattr(body, name) is not None}
+    skip_special = body.skip_special_tokens if body.skip_special_tokens is not None else not keep_special
     try:
         return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
                               max_tokens=max_tokens, stop=stop, ignore_eos=bool(body.ignore_eos),
-                              structured_outputs=structure, skip_special_tokens=not keep_special)
+                              structured_outputs=structure, skip_special_tokens=skip_special,
+                              logprobs=_logprobs(body), **optional)
     except InvalidParameterError as error:
         raise RequestError(400, str(error), _param_named(str(error))) from None
+
+
+def _logprobs(body: SamplingFields) -> int | None:
+    """How many alternatives each generated token's logprob comes with (None: no logprobs):
+    completions' `logprobs: N`, chat's `logprobs: true` with `top_logprobs: N`."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def _options(body: SamplingFields, served: Served) -> dict:

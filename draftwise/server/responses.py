@@ -7,6 +7,7 @@ import time
 import uuid
 
 from draftwise.engine.outputs import RequestOutput
+from draftwise.server.logprobs import LogprobsFormat
 from draftwise.server.tools import answer_message
 
 
@@ -24,23 +25,27 @@ def object_name(chat: bool, streaming: bool) -> str:
     return "text_completion"
 
 
-def chunk(request_id: str, created: int, model: str, chat: bool, content, finish_reason: str | None) -> dict:
-    choice = ({"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": None} if chat
-              else {"index": 0, "text": content, "finish_reason": finish_reason, "logprobs": None})
+def chunk(request_id: str, created: int, model: str, chat: bool, content, finish_reason: str | None,
+          logprobs: dict | None = None) -> dict:
+    choice = ({"index": 0, "delta": content, "finish_reason": finish_reason, "logprobs": logprobs} if chat
+              else {"index": 0, "text": content, "finish_reason": finish_reason, "logprobs": logprobs})
     return {"id": request_id, "object": object_name(chat, True), "created": created, "model": model,
             "choices": [choice]}
 
 
 def response_body(output: RequestOutput, request_id: str, created: int, model: str, chat: bool,
-                  calls_tools: bool = False) -> dict:
-    """calls_tools: the answer may call tools; its calls become the message's `tool_calls`."""
+                  calls_tools: bool = False, logprobs: LogprobsFormat | None = None) -> dict:
+    """calls_tools: the answer may call tools; its calls become the message's `tool_calls`.
+    logprobs: how the request asked for its logprobs (None: it did not)."""
+    listed = None if logprobs is None or output.logprobs is None else logprobs.body(output.logprobs,
+                                                                                   output.token_ids)
     if not chat:
-        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": listed}
     else:
         message, called = answer_message(output.text) if calls_tools else ({"role": "assistant",
                                                                              "content": output.text}, False)
         finish_reason = "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": listed}
     return {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
             "choices": [choice], "usage": usage(output)}
 

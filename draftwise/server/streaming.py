@@ -16,6 +16,7 @@ from draftwise.server.async_engine import EngineStopped
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import error_body
 from draftwise.server.responses import DONE, chunk, object_name, sse, usage
+from draftwise.server.logprobs import LogprobsFormat
 from draftwise.server.tools import ToolCallStream
 
 
@@ -29,6 +30,7 @@ class StreamContext:
     segment: str
     method: str | None
     calls_tools: bool = False  # the answer may call tools: calls stream as tool_calls deltas
+    logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each chunk carries its tokens'
 
 
 async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput], context: StreamContext,
@@ -38,6 +40,7 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
     final = first
     ended = False
     calls = ToolCallStream() if chat and context.calls_tools else None
+    listed, text_offset = 0, 0  # tokens whose logprobs were sent; characters sent (completions' offsets)
     try:
         if chat:
             yield sse(chunk(context.request_id, context.created, context.model, chat,
@@ -58,8 +61,16 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
                     deltas = calls.feed(output.delta, output.finished)
                 else:
                     deltas = [{"content": output.delta} if chat else output.delta] if output.delta else []
-                for content in deltas:
-                    yield sse(chunk(context.request_id, context.created, context.model, chat, content, None))
+                logprobs = None
+                if context.logprobs is not None and output.logprobs is not None and len(output.token_ids) > listed:
+                    logprobs = context.logprobs.body(output.logprobs[listed:], output.token_ids[listed:], text_offset)
+                    listed = len(output.token_ids)
+                    if not deltas:
+                        deltas = [{} if chat else ""]  # (a chunk of its own for tokens whose text is held back)
+                for i, content in enumerate(deltas):
+                    yield sse(chunk(context.request_id, context.created, context.model, chat, content, None,
+                                    logprobs if i == 0 else None))
+                text_offset += len(output.delta)
                 if output.finished:
                     reason = output.finish_reason
                     if calls is not None and calls.called and reason == "stop":

@@ -80,6 +80,18 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-level BPE token may hold part of a character)."""
+        token = self.id_to_token(token_id)
+        if token is not None and self._byte_level and all(c in _UNICODE_TO_BYTE for c in token):
+            return bytes(_UNICODE_TO_BYTE[c] for c in token)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        return decoder.get("type") == "ByteLevel"
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """The conversation rendered by the model's chat template (raises ChatTemplateError), with
@@ -181,6 +193,22 @@ class Tokenizer:
         plain = HFTokenizer.from_str(json.dumps(data))
         plain.encode_special_tokens = True
         return plain
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return {byte: chr(code) for byte, code in zip(printable, characters)}
+
+
+_UNICODE_TO_BYTE = {character: byte for byte, character in _byte_to_unicode().items()}
 
 
 def _token_text(token) -> str | None:

@@ -1,0 +1,123 @@
+"""Logprobs of generated tokens, from the verification pass: equal to a teacher-forced reference, and
+under speculation (every drafter) equal to plain decoding's; over HTTP in OpenAI's chat and
+completions shapes, streamed too; and the processors' fields accepted by the server."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from tests.drafting import assert_drafted
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print("]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False)
+
+
+def test_logprobs_are_the_models_log_softmax_at_each_generated_position(plain):
+    output = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, logprobs=3))[0]
+    ids = plain.tokenizer.encode(PROMPTS[0]) + output.token_ids
+    with torch.no_grad():
+        logits = plain.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0].float()
+    expected = torch.log_softmax(logits, -1)[len(ids) - len(output.token_ids) - 1:-1]  # [n, V]
+    assert len(output.logprobs) == len(output.token_ids)
+    for position, (token, entry) in enumerate(zip(output.token_ids, output.logprobs)):
+        assert entry[token].rank == 1  # greedy: the most likely
+        assert math.isclose(entry[token].logprob, float(expected[position, token]), abs_tol=1e-4)
+        top = expected[position].topk(3).indices.tolist()
+        assert [t for t, lp in sorted(entry.items(), key=lambda item: item[1].rank)] == top
+    assert output.outputs[0].logprobs == output.logprobs
+
+
+DRAFTERS = {
+    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
+    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=3),
+    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
+                                                    draft_branches=2),
+    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
+}
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_speculative_logprobs_equal_plain(drafter, tiny_qwen, random_draft, plain, drafting_pays):
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative=DRAFTERS[drafter](tiny_qwen, random_draft))
+    for params in (SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+                   SamplingParams(temperature=0.9, seed=11, max_tokens=20, logprobs=0, presence_penalty=0.5)):
+        expected = plain.generate(PROMPTS, params)
+        got = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        for mine, theirs in zip(got, expected):
+            assert len(mine.logprobs) == len(theirs.logprobs)
+            for a, b in zip(mine.logprobs, theirs.logprobs):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 and a[t].rank == b[t].rank for t in a)
+        assert_drafted(got, accepted=drafter.startswith("draft=target"))
+
+
+# --- over HTTP ------------------------------------------------------------------------------------
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen):
+    from tests.live_server import LiveServer
+
+    live = LiveServer(LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False,
+                          speculative={"method": "ngram", "num_speculative_tokens": 3}), "tiny")
+    yield live
+    live.stop()
+
+
+def test_chat_and_completion_logprobs_in_openais_shapes(server, plain):
+    client = server.client()
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          temperature=0, max_tokens=10, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob >= item.logprob - 1e-6
+                           for item in content)
+    assert "".join(item.token for item in content) == chat.choices[0].message.content
+    assert all(bytes(item.bytes).decode("utf-8", "replace") for item in content)
+    completion = client.completions.create(model="tiny", prompt="def add(a, b):", temperature=0, max_tokens=10,
+                                           logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    expected = plain.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=10, logprobs=2))[0]
+    assert logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(expected.token_ids,
+                                                                                 expected.logprobs)], abs=1e-5)
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+    assert logprobs.text_offset[0] == 0  # (tokens decoding to the same text share a key of top_logprobs)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+
+
+def test_streamed_logprobs_add_up_to_the_whole_ones(server):
+    client = server.client()
+    fields = dict(model="tiny", prompt="for i in range(10):", temperature=0, max_tokens=16, logprobs=1)
+    whole = client.completions.create(**fields).choices[0].logprobs.token_logprobs
+    streamed = []
+    for chunk in client.completions.create(**fields, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed == pytest.approx(whole, abs=1e-6)
+
+
+def test_the_server_takes_the_processors_fields(server, plain):
+    body = {"model": "tiny", "prompt": "def add(a, b):", "temperature": 0, "max_tokens": 12,
+            "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"40": 5}, "repetition_penalty": 1.3,
+            "min_tokens": 3, "bad_words": ["the"], "stop_token_ids": [41]}
+    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    expected = plain.generate("def add(a, b):", SamplingParams(
+        temperature=0, max_tokens=12, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={40: 5},
+        repetition_penalty=1.3, min_tokens=3, bad_words=["the"], stop_token_ids=[41]))[0]
+    assert answer["choices"][0]["text"] == expected.text
+    refused = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+    refused = httpx.post(server.url + "/v1/completions", timeout=30, json={**body, "presence_penalty": 5})
+    assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]

@@ -1,0 +1,221 @@
+"""Logits processors (penalties, logit_bias, min_p, min_tokens, bad_words) under speculation: each
+verified position processed with the history plain decoding has there. Checked against a naive
+reference written here (one position at a time, from scratch), through the engine greedy (every
+drafter, alone and batched, each processor shown to change the output) and sampled (Monte-Carlo
+against the processed target, `test_speculative_sampling`'s chi-square)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.errors import InvalidParameterError
+from draftwise.sampling.processors import RowHistory, bad_word_ids, process_positions
+from draftwise.sampling.sampler import SamplingBatch, sampling_probs
+from tests.drafting import assert_drafted
+from tests.test_speculative_sampling import ALPHA, chi_square
+from tests.test_structured_sampling import close_draft, one_thread  # noqa: F401 (fixtures)
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(", "import numpy as np\n",
+           "x = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np."]  # (prompt lookup drafts here)
+
+
+def naive(logits: torch.Tensor, params: SamplingParams, prompt: list[int], history: list[int],
+          end_ids: set[int], bad_words: list[list[int]]) -> torch.Tensor:
+    """One position, from scratch, in vLLM's order: bans, bias, repetition, frequency/presence."""
+    out = logits.clone().float()
+    if len(history) < params.min_tokens:
+        for t in end_ids:
+            out[t] = float("-inf")
+    for word in bad_words:
+        if len(word) == 1 or history[len(history) - len(word) + 1:] == word[:-1]:
+            out[word[-1]] = float("-inf")
+    for token, value in (params.logit_bias or {}).items():
+        out[token] += value
+    for token in set(prompt + history):
+        if params.repetition_penalty != 1.0:
+            out[token] = out[token] / params.repetition_penalty if out[token] > 0 else out[token] * params.repetition_penalty
+    for token, count in Counter(history).items():
+        out[token] -= params.frequency_penalty * count + params.presence_penalty
+    return out
+
+
+EVERYTHING = SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
+                            logit_bias={3: 2.5, 7: -4.0}, min_tokens=6, max_tokens=20)
+
+
+def test_every_position_is_processed_as_plain_decoding_would_process_it():
+    generator = torch.Generator().manual_seed(0)
+    vocab, width = 40, 6
+    for trial in range(20):
+        prompt = torch.randint(vocab, (8,), generator=generator).tolist()
+        output = torch.randint(vocab, (trial % 7,), generator=generator).tolist()
+        draft = torch.randint(vocab, (width - 1,), generator=generator).tolist()
+        bad = [[5], [9, 11], [output[-1] if output else 2, 13]]
+        logits = torch.randn(1, width, vocab, generator=generator) * 3
+        history = RowHistory(EVERYTHING, prompt, output, frozenset({0, 1}), bad)
+        got = process_positions(logits, [history], [draft])[0]
+        for i in range(width):
+            expected = naive(logits[0, i], EVERYTHING, prompt, output + draft[:i], {0, 1}, bad)
+            assert torch.allclose(got[i], expected, atol=1e-6), (trial, i)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"presence_penalty": 3.0}, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 10]"),
+    ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be an integer from 0 to max_tokens"),
+    ({"logit_bias": {"x": 1}}, "logit_bias must map token ids"),
+    ({"logit_bias": {5: 101}}, "in [-100, 100]"),
+    ({"bad_words": "word"}, "bad_words must be a list"),
+    ({"logprobs": 21}, "logprobs must be an integer from 0 to 20"),
+])
+def test_bad_processor_parameters_are_refused_by_name(fields, message):
+    with pytest.raises(InvalidParameterError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**fields)
+
+
+def test_logit_bias_takes_openai_string_keys():
+    assert SamplingParams(logit_bias={"12": -100}).logit_bias == {12: -100.0}
+
+
+# --- through the engine, greedy -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False)
+
+
+PROCESSORS = {
+    "presence": dict(presence_penalty=1.5),
+    "frequency": dict(frequency_penalty=1.0),
+    "repetition": dict(repetition_penalty=1.8),
+    "logit_bias": dict(logit_bias={40: 6.0, 41: 6.0, 42: -100.0}),
+    "min_p": dict(min_p=0.2, temperature=0.8, seed=3),  # (greedy ignores min_p: a seeded draw does not)
+    "min_tokens": dict(min_tokens=12, logit_bias={2: 8.0}),  # EOS (id 2) made likely, held back 12 tokens
+    "bad_words": dict(bad_words=["ab", "the", "x = np"]),
+    "all": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={40: 3.0},
+                min_tokens=4, bad_words=["quick"]),
+}
+DRAFTERS = {
+    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
+    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=3),
+    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
+                                                    draft_branches=2),
+    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
+}
+
+
+def sampling(name: str) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 24, **PROCESSORS[name]})
+
+
+def test_each_processor_changes_plain_output(plain):
+    """(So that the equality below is a comparison of processed outputs.)"""
+    free = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))]
+    for name in PROCESSORS:
+        params = sampling(name)
+        if name == "min_p":
+            free_seeded = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(temperature=0.8, seed=3,
+                                                                                       max_tokens=24))]
+            assert [o.token_ids for o in plain.generate(PROMPTS, params)] != free_seeded
+            continue
+        assert [o.token_ids for o in plain.generate(PROMPTS, params)] != free, name
+
+
+def test_processors_do_what_they_say(plain):
+    tokenizer = plain.tokenizer
+    biased = plain.generate("def", SamplingParams(temperature=0, max_tokens=8, logit_bias={40: 100}))[0]
+    assert biased.token_ids == [40] * 8
+    banned = plain.generate(PROMPTS, sampling("bad_words"))
+    words = bad_word_ids(["ab", "the", "x = np"], lambda text: tokenizer.encode_batch([text])[0])
+    for output in banned:
+        for word in words:
+            assert all(output.token_ids[i:i + len(word)] != word for i in range(len(output.token_ids)))
+    held = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, logit_bias={2: 30.0}, min_tokens=5))
+    for output in held:
+        assert len(output.token_ids) == 6 and output.token_ids[-1] == 2 and output.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_speculative_processed_output_equals_plain(drafter, tiny_qwen, random_draft, plain, drafting_pays):
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative=DRAFTERS[drafter](tiny_qwen, random_draft))
+    for name in PROCESSORS:
+        params = sampling(name)
+        expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        solo = [llm.generate(p, params)[0] for p in PROMPTS]
+        batched = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in solo] == expected, name
+        assert [o.token_ids for o in batched] == expected, name
+        if (drafter, name) != ("ngram", "repetition"):  # (a repetition penalty of 1.8 leaves nothing to look up)
+            assert_drafted(solo + batched, accepted=drafter.startswith("draft=target"))
+
+
+# --- through the engine, sampled ------------------------------------------------------------------
+REQUESTS_PER_SETTING = 1000
+NUM_POSITIONS = 4
+PROMPT = "The quick brown fox"
+SETTINGS = [SamplingParams(temperature=0.9, min_p=0.05, presence_penalty=1.2, frequency_penalty=0.6,
+                           repetition_penalty=1.4, logit_bias={40: 2.0, 41: 1.0}, max_tokens=NUM_POSITIONS,
+                           ignore_eos=True),
+            SamplingParams(temperature=1.2, top_k=12, repetition_penalty=0.7, bad_words=["fox", "the"],
+                           min_tokens=NUM_POSITIONS, max_tokens=NUM_POSITIONS)]
+
+
+def processed_marginals(llm: LLM, params: SamplingParams) -> list[dict[int, float]]:
+    """P(token at position j) under the processors, by the chain rule (the naive reference)."""
+    tokenizer = llm.tokenizer
+    prompt = tokenizer.encode(PROMPT)
+    bad = bad_word_ids(params.bad_words or [], lambda text: tokenizer.encode_batch([text])[0])
+    end_ids = set(tokenizer.eos_token_ids) if not params.ignore_eos else set()
+    prefixes = {(): 1.0}
+    marginals = []
+    for _ in range(NUM_POSITIONS):
+        keys = list(prefixes)
+        tokens = torch.tensor([prompt + list(key) for key in keys])
+        with torch.no_grad():
+            logits = llm.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))[:, -1].float()
+        logits = torch.stack([naive(row, params, prompt, list(key), end_ids, bad) for row, key in zip(logits, keys)])
+        batch = SamplingBatch.build([params] * len(keys), [None] * len(keys), logits.shape[-1], logits.device)
+        probs = sampling_probs(logits, batch).double()
+        marginal: Counter = Counter()
+        following = {}
+        for key, row in zip(keys, probs):
+            for token in row.nonzero().flatten().tolist():
+                mass = prefixes[key] * float(row[token])
+                marginal[token] += mass
+                following[key + (token,)] = mass
+        prefixes = following
+        marginals.append(dict(marginal))
+    return marginals
+
+
+def test_speculative_sampling_with_processors_follows_the_processed_target(tiny_qwen, close_draft):
+    llm = LLM(str(tiny_qwen), max_model_len=64, max_num_seqs=16, progress=False,
+              speculative={"method": "draft", "model": str(close_draft), "num_speculative_tokens": 3,
+                           "adaptive": False})
+    torch.manual_seed(0)
+    setting_of = {llm.add_request(PROMPT, SETTINGS[i % 2]): i % 2 for i in range(2 * REQUESTS_PER_SETTING)}
+    outputs: list[list[list[int]]] = [[], []]
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                outputs[setting_of[output.request_id]].append(output.token_ids)
+    metrics = llm.spec_metrics
+    assert metrics.num_draft_tokens > 0 and 0.05 < metrics.acceptance_rate < 0.95, metrics.summary()
+    failures, report = [], []
+    for setting, params in enumerate(SETTINGS):
+        assert all(len(ids) == NUM_POSITIONS for ids in outputs[setting])
+        for position, expected in enumerate(processed_marginals(llm, params)):
+            observed = Counter(ids[position] for ids in outputs[setting])
+            statistic, dof, p_value = chi_square(observed, expected, len(outputs[setting]))
+            report.append(f"setting {setting}, token {position + 1}: chi2 {statistic:.1f}, df {dof}, p {p_value:.2g}")
+            if p_value < ALPHA:
+                failures.append(report[-1])
+    print("\n".join([metrics.summary(), *report]))
+    assert not failures
