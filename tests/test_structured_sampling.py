@@ -131,9 +131,19 @@ def failed_positions(llm: LLM, constraint: StructuredOutputsParams, min_acceptan
     return failures
 
 
+@pytest.fixture
+def unmasked_drafts(monkeypatch):
+    """The draft model drafting as if it knew no grammar (as heads and other drafters do): its
+    drafts leave the grammar and are cut by the engine, which is what this exercises."""
+    from draftwise.speculative.autoregressive import GrammarDrafting
+
+    monkeypatch.setattr(GrammarDrafting, "masked", lambda self, logits, live: logits)
+    monkeypatch.setattr(GrammarDrafting, "advance", lambda self, b, token: True)
+
+
 @pytest.mark.parametrize("constraint, draft_probability", [("words", 1.0), ("forced", 1.0), ("forced", 0.5)])
 def test_constrained_speculative_sampling_follows_the_masked_target(tiny_qwen, close_draft, constraint,
-                                                                    draft_probability):
+                                                                    draft_probability, unmasked_drafts):
     """draft_probability 0.5: randomized drafting beside a grammar that forces tokens. (Such rows
     draft no forced tokens, by `constrained.forced_drafts`' reasoning; this test could not tell:
     with the exclusion removed it still passed, since after this prompt the forced text leaves the
@@ -143,3 +153,11 @@ def test_constrained_speculative_sampling_follows_the_masked_target(tiny_qwen, c
                            "adaptive": False, "draft_probability": draft_probability})
     # (with a = 0.5 this draft is almost always outside the grammar: its refused token is what is verified)
     assert not failed_positions(llm, CONSTRAINTS[constraint], min_acceptance=0.05 if draft_probability == 1 else 0)
+
+
+def test_drafts_inside_the_grammar_follow_the_masked_target(tiny_qwen, close_draft):
+    """The draft model drafting inside the grammar (its distributions masked as the target's are)."""
+    llm = LLM(str(tiny_qwen), max_model_len=64, max_num_seqs=16, progress=False,
+              speculative={"method": "draft", "model": str(close_draft), "num_speculative_tokens": 3,
+                           "adaptive": False})
+    assert not failed_positions(llm, CONSTRAINTS["words"])

@@ -9,6 +9,7 @@ from draftwise.runner.model_runner import ModelRunner
 from draftwise.sampling.sampler import SamplingBatch, sample_from_probs, sampling_probs
 from draftwise.speculative.proposer import Draft
 from draftwise.speculative.sequence import SequenceState
+from draftwise.structured.masks import allowed_tokens, fill_masks
 
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[SequenceState], num_tokens: list[int],
@@ -28,6 +29,11 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     kept); an unseeded one keeps its draft probabilities for rejection sampling.
     The last drafted token is not fed back (the target's verification pass does that).
 
+    A request with a grammar (structured outputs) drafts inside it (`GrammarDrafting`): its logits
+    keep only the tokens the grammar allows after the committed tokens and the draft so far, so its
+    drafts need no cutting where they would leave it. Lossless as any proposal is: a sampled row's
+    probabilities are the masked ones it drew from.
+
     branches > 1: each drafted position also offers its next branches - 1 choices as leaves
     beside the drafted token (greedy: the next most probable; seeded: the next in the noise race;
     unseeded: drawn without replacement, each with its renormalised distribution), and the draft
@@ -41,40 +47,88 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     offsets = offsets or [0] * len(seqs)
     pending = [seq.token_ids[offset + runner.length(row):] for seq, row, offset in zip(seqs, rows, offsets)]
     num_tokens = list(num_tokens)
-    for step in range(max(num_tokens, default=0)):
-        live = [b for b, k in enumerate(num_tokens) if step < k]
-        if not live:  # every row stopped early (confidence)
-            break
-        result = runner.forward([rows[b] for b in live], [pending[b] for b in live], [1] * len(live),
-                                num_layers=num_layers)
-        params = [seqs[b].params for b in live]
-        positions = [len(seqs[b].output_ids) + step for b in live]  # the output position each draft fills
-        sampling = SamplingBatch.build(params, positions, result.logits.shape[-1], result.logits.device)
-        scored = confidence_threshold > 0 or branches > 1  # (else no row needs its confidences)
-        plain_probs = torch.softmax(result.logits, dim=-1) if scored or not sampling.all_greedy else None  # [n, V]
-        if sampling.all_greedy:
-            next_ids = result.logits.argmax(dim=-1)  # [n]
-            draft_probs = plain_probs
-        else:
-            draft_probs = torch.where(sampling.greedy[:, None], plain_probs, sampling_probs(result.logits, sampling))
-            sampled = sample_from_probs(draft_probs, sampling)
-            next_ids = torch.where(sampling.greedy, result.logits.argmax(dim=-1), sampled)
+    grammars = GrammarDrafting(seqs)
+    try:
+        for step in range(max(num_tokens, default=0)):
+            live = [b for b, k in enumerate(num_tokens) if step < k]
+            if not live:  # every row stopped early (confidence)
+                break
+            result = runner.forward([rows[b] for b in live], [pending[b] for b in live], [1] * len(live),
+                                    num_layers=num_layers)
+            logits = grammars.masked(result.logits, live)  # [n, V]
+            params = [seqs[b].params for b in live]
+            positions = [len(seqs[b].output_ids) + step for b in live]  # the output position each draft fills
+            sampling = SamplingBatch.build(params, positions, logits.shape[-1], logits.device)
+            scored = confidence_threshold > 0 or branches > 1  # (else no row needs its confidences)
+            plain_probs = torch.softmax(logits, dim=-1) if scored or not sampling.all_greedy else None  # [n, V]
+            if sampling.all_greedy:
+                next_ids = logits.argmax(dim=-1)  # [n]
+                draft_probs = plain_probs
+            else:
+                draft_probs = torch.where(sampling.greedy[:, None], plain_probs, sampling_probs(logits, sampling))
+                sampled = sample_from_probs(draft_probs, sampling)
+                next_ids = torch.where(sampling.greedy, logits.argmax(dim=-1), sampled)
+                for i, b in enumerate(live):
+                    if not params[i].greedy and params[i].seed is None:
+                        probs[b].append(draft_probs[i])
+            confidence = draft_probs.gather(-1, next_ids[:, None]).squeeze(-1).tolist() if scored else [1.0] * len(live)
             for i, b in enumerate(live):
-                if not params[i].greedy and params[i].seed is None:
-                    probs[b].append(draft_probs[i])
-        confidence = draft_probs.gather(-1, next_ids[:, None]).squeeze(-1).tolist() if scored else [1.0] * len(live)
-        for i, b in enumerate(live):
-            token = int(next_ids[i])
-            token_ids[b].append(token)
-            confidences[b].append(confidence[i])
-            if branches > 1:
-                leaves[b].append(_other_choices(draft_probs[i], token, branches - 1, params[i], sampling, i))
-            pending[b] = [token]
-            if confidence[i] < confidence_threshold:
-                num_tokens[b] = step + 1  # confidence stop
+                token = int(next_ids[i])
+                token_ids[b].append(token)
+                confidences[b].append(confidence[i])
+                if branches > 1:
+                    leaves[b].append(_other_choices(draft_probs[i], token, branches - 1, params[i], sampling, i))
+                pending[b] = [token]
+                if confidence[i] < confidence_threshold or not grammars.advance(b, token):
+                    num_tokens[b] = step + 1  # confidence stop, or a token its grammar refuses (cut by the engine)
+    finally:
+        grammars.rewind()  # (the engine advances it over what is committed)
     if branches > 1:
         return [chain_with_leaves(ids, confidences[b], leaves[b], probs[b]) for b, ids in enumerate(token_ids)]
     return [Draft(ids, torch.stack(p) if p else None) for ids, p in zip(token_ids, probs)]
+
+
+class GrammarDrafting:
+    """The grammars of a drafting call's rows, advanced through their drafts and rewound after."""
+
+    def __init__(self, seqs: list[SequenceState]) -> None:
+        self.grammars = [getattr(seq, "grammar", None) for seq in seqs]
+        self.consumed = [0] * len(seqs)
+        for seq, grammar in zip(seqs, self.grammars):
+            if grammar is not None:
+                grammar.sync(seq.output_ids)
+
+    def masked(self, logits: torch.Tensor, live: list[int]) -> torch.Tensor:
+        """logits [n, V] of the live rows with each constrained row's refused tokens at -inf; a row
+        none of whose allowed tokens the drafter can score (a trimmed head) is left as it is."""
+        constrained = [i for i, b in enumerate(live) if self.grammars[b] is not None]
+        if not constrained:
+            return logits
+        vocab = logits.shape[-1]
+        bitmask = fill_masks([(self.grammars[live[i]], []) for i in constrained], 1, vocab)
+        allowed = allowed_tokens(bitmask, vocab).to(logits.device)  # [c, V]
+        index = torch.tensor(constrained, device=logits.device)
+        masked = logits[index].masked_fill(~allowed, float("-inf"))
+        reachable = torch.isfinite(masked).any(dim=-1, keepdim=True)
+        out = logits.clone()
+        out[index] = torch.where(reachable, masked, logits[index])
+        return out
+
+    def advance(self, b: int, token: int) -> bool:
+        """Move row b's grammar over its drafted token; False if the grammar refuses it."""
+        grammar = self.grammars[b]
+        if grammar is None:
+            return True
+        if grammar.matcher.validate_tokens([token]) != 1 or not grammar.matcher.consume_token(token):
+            return False
+        self.consumed[b] += 1
+        return True
+
+    def rewind(self) -> None:
+        for b, grammar in enumerate(self.grammars):
+            if grammar is not None and self.consumed[b]:
+                grammar.matcher.rollback(self.consumed[b])
+                self.consumed[b] = 0
 
 
 def _other_choices(q: torch.Tensor, chosen: int, count: int, params, sampling: SamplingBatch,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from draftwise.sampling.params import SamplingParams
+from draftwise.structured.matcher import RequestGrammar
 
 
 class SequenceState(Protocol):
@@ -14,6 +15,7 @@ class SequenceState(Protocol):
     params: SamplingParams
     segment: str | None  # a traffic label: the controller keeps statistics per segment
     output_ids: list[int]  # tokens generated so far
+    grammar: RequestGrammar | None  # structured outputs: the output's place in its grammar (None: free)
 
     @property
     def token_ids(self) -> list[int]:
