@@ -29,3 +29,17 @@ def assert_drafted(outputs, accepted: bool = True) -> SpecMetrics:
     if accepted:
         assert total.num_accepted_tokens > 0, f"no drafted token was accepted: {total}"
     return total
+
+
+def assert_constrained_equal(llm, plain, prompts: list[str], accepted: bool = True) -> None:
+    """Under a grammar the drafter knows nothing of (any text without '#' or '@', up to 200 characters:
+    most of its drafts stay inside, some are cut), the output equals plain constrained decoding's,
+    alone and batched, and drafts were proposed (and accepted)."""
+    from draftwise import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": "[^#@]{1,200}"})
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    solo = [llm.generate(p, params)[0] for p in prompts]
+    batched = llm.generate(prompts, params)
+    assert [o.token_ids for o in solo] == expected and [o.token_ids for o in batched] == expected
+    assert_drafted(solo + batched, accepted=accepted)

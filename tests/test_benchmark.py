@@ -425,3 +425,11 @@ def test_grammar_engines_suite_measures_llguidance_against_its_control(settings)
     assert coverage["enum"] == coverage["pattern"] == coverage["recursive $ref"] == "enforced"
     assert coverage["uniqueItems"] == coverage["not"] == "refused"  # never loosened
     assert "llguidance (control)" in report.data["mask_seconds"] and "| llguidance |" in report.markdown
+
+
+def test_prefix_cache_suite_times_first_tokens_with_caching_off_and_on(settings, structured_data):
+    report = run_suite("prefix-cache", replace(settings, per_category=3, max_tokens=4, max_model_len=512))
+    figures = report.data["figures"]
+    assert list(figures) == ["caching off", "caching on", "caching off (control)"]
+    assert figures["caching on"]["hit_share"] > 0.5 and figures["caching off"]["hit_share"] == 0
+    assert all(f["equal"] == 3 for f in figures.values())

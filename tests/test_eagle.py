@@ -18,7 +18,7 @@ from draftwise.speculative.heads.head_proposer import TREE_NODES
 from draftwise.speculative.heads.training import TrainSettings
 from draftwise.training.distill import hidden_states
 from draftwise.training.train_head import train_head
-from tests.drafting import assert_drafted
+from tests.drafting import assert_constrained_equal, assert_drafted
 from tests.test_spec_equality import PROMPTS, REPETITIVE, CyclingLength
 from tests.test_speculative_sampling import SENTENCE, copying_target, failed_positions  # noqa: F401 (a fixture)
 
@@ -258,3 +258,8 @@ def test_a_failed_step_gives_the_head_its_states_again(trained_head, tiny_qwen, 
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(TRAINING_PROMPTS, GREEDY)]
     assert failed and all(len(o.token_ids) > 8 for o in outputs)  # the fault struck mid-request
     assert llm.spec_metrics.acceptance_rate > 0.7, llm.spec_metrics.acceptance_rate
+
+
+def test_structured_outputs_equal_plain_constrained_decoding(trained_head, tiny_qwen, plain, drafting_pays):
+    llm = eagle(tiny_qwen, trained_head[0], num_speculative_tokens=3)
+    assert_constrained_equal(llm, plain, TRAINING_PROMPTS)

@@ -18,7 +18,7 @@ from draftwise.speculative.heads.eagle3_format import default_aux_layers, read_e
 from draftwise.speculative.heads.training import TrainSettings
 from draftwise.training.distill import hidden_states
 from draftwise.training.train_head import train_head
-from tests.drafting import assert_drafted
+from tests.drafting import assert_constrained_equal, assert_drafted
 from tests.test_eagle import TRAINING_PROMPTS
 from tests.test_spec_equality import PROMPTS, CyclingLength
 from tests.test_speculative_sampling import SENTENCE, copying_target, failed_positions  # noqa: F401 (a fixture)
@@ -310,3 +310,8 @@ def _together(llm, prompts, params) -> list[list[int]]:
             if output.finished:
                 done[output.request_id] = output.token_ids
     return [done[i] for i in ids]
+
+
+def test_structured_outputs_equal_plain_constrained_decoding(trained_head, tiny_qwen, plain, drafting_pays):
+    llm = eagle3(tiny_qwen, trained_head[0], num_speculative_tokens=3)
+    assert_constrained_equal(llm, plain, TRAINING_PROMPTS)

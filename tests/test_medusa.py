@@ -17,7 +17,7 @@ from draftwise.speculative.heads.medusa_training import IGNORED, acceptance_per_
 from draftwise.speculative.heads.store import save_head
 from draftwise.speculative.heads.training import Example, TrainSettings
 from draftwise.training.train_head import train_head
-from tests.drafting import assert_drafted
+from tests.drafting import assert_constrained_equal, assert_drafted
 from tests.test_spec_equality import PROMPTS, REPETITIVE, CyclingLength
 from tests.test_speculative_sampling import SENTENCE, copying_target, failed_positions  # noqa: F401 (a fixture)
 
@@ -221,3 +221,8 @@ def test_k_is_capped_at_the_number_of_heads(trained_head, tiny_qwen):
     llm.generate(TRAINING_PROMPTS[0], GREEDY)
     assert max(drafted for drafted, _ in llm.spec_metrics.steps or [(3, 0)]) <= 3
     assert len(llm.spec_metrics.drafted_per_position) == 3
+
+
+def test_structured_outputs_equal_plain_constrained_decoding(trained_head, tiny_qwen, plain, drafting_pays):
+    llm = medusa(tiny_qwen, trained_head[0], num_speculative_tokens=3)
+    assert_constrained_equal(llm, plain, TRAINING_PROMPTS)

@@ -194,6 +194,12 @@ def test_metrics_count_speculation_per_segment(server):
     predictions = re.search(r'^draftwise:spec_decode_step_time_predicted_over_observed_count\{model_name="tiny"\} '
                             r'([0-9.]+)', text, re.M)
     assert predictions and float(predictions.group(1)) > 0  # the adaptive drafter's live costs predicted steps
+    client.completions.create(model=MODEL, prompt=prompt * 8, **GREEDY)
+    client.completions.create(model=MODEL, prompt=prompt * 8 + " 2", **GREEDY)  # (its first blocks cached)
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    hits = re.search(r'^draftwise:prefix_cache_hits_total\{model_name="tiny"\} ([0-9.]+)', text, re.M)
+    queries = re.search(r'^draftwise:prefix_cache_queries_total\{model_name="tiny"\} ([0-9.]+)', text, re.M)
+    assert hits and queries and 16 <= float(hits.group(1)) < float(queries.group(1))
 
 
 def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference, llm):

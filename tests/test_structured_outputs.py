@@ -201,6 +201,7 @@ DRAFTERS = {
                                                     draft_branches=2),
     "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
     "suffix": lambda target, draft: dict(method="suffix", num_speculative_tokens=4),
+    "layer_skip": lambda target, draft: dict(method="layer_skip", num_layers=1, num_speculative_tokens=3),
 }
 
 

@@ -95,6 +95,7 @@ class LLMRecipe:
     max_model_len: int = 4096
     native_kernels: bool = True  # False: quantized layers on PyTorch's packed kernels
     int8_activations: bool = True  # False: quantized layers keep bf16 activations (else as measured here)
+    prefix_caching: bool = True  # LLM(enable_prefix_caching=...)
 
     def build(self):
         from draftwise.llm import LLM
@@ -110,7 +111,8 @@ class LLMRecipe:
                 native.kernels.cache_clear()
             try:
                 return LLM(self.model, speculative=self.speculative, quantization=self.quantization,
-                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False)
+                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False,
+                           enable_prefix_caching=self.prefix_caching)
             finally:
                 if overrides:  # in-process builds after this one get the path they ask for
                     native.kernels.cache_clear()

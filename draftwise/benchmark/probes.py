@@ -30,6 +30,14 @@ class ClosedLoop:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The config's `LLM.engine_stats()` now (queues, KV blocks, prefix cache queries and hits)."""
+
+    def measure(self, config) -> dict:
+        return {k: v for k, v in config.llm.engine_stats().items() if k != "predicted_over_observed"}
+
+
+@dataclass(frozen=True, slots=True)
 class EngineCounters:
     """The config's engine counters so far (decoding steps, drafting steps, structured outputs' time)."""
 

@@ -44,11 +44,12 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        prefix_caching: bool = False,
     ) -> None:
         shape = (num_layers, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.keys = zeroed_storage(shape, dtype, device)  # [L, slots, Hkv, D]
         self.values = zeroed_storage(shape, dtype, device)  # [L, slots, Hkv, D]
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.scratch_slot = num_blocks * block_size  # where padding goes (the extra block, never handed out)
         self.kernel = attention_backend.kernel_for(self.keys.device, dtype, head_dim)  # None: the SDPA paths
 

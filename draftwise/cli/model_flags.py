@@ -22,9 +22,12 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
                          help="run every pass op by op: no CUDA graph, no compiled step")
     command.add_argument("--step-mode", default="auto", choices=["auto", "eager", "compile", "graph"],
                          help="decode and verification passes: auto = CUDA graphs on CUDA, eager on the CPU")
+    command.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                         help="turn off automatic prefix caching (on by default, as in vLLM)")
 
 
 def model_keywords(args: argparse.Namespace) -> dict:
     """The `LLM` keywords these flags set."""
     return dict(device=args.device, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
-                enforce_eager=args.enforce_eager, step_mode=args.step_mode)
+                enforce_eager=args.enforce_eager, step_mode=args.step_mode,
+                enable_prefix_caching=getattr(args, "enable_prefix_caching", True))

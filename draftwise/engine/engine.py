@@ -104,6 +104,8 @@ class Engine:
         self._grammar_seconds = 0.0
         if is_prefill:
             batch[0].row = self.runner.allocate()
+            if not self._reads_hidden(batch[0]):  # (a head reading the target's states needs the whole prompt's)
+                self.runner.share_prefix(batch[0].row, batch[0].token_ids)
             drafts, skipped, forced = [Draft([])], [False], set()
         else:
             drafts, skipped, forced = self._propose(batch)
@@ -263,11 +265,15 @@ class Engine:
             self._on_grammar(after_commit, seq)
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
+            self.runner.register_prefix(seq.row, seq.token_ids)
             if not skip:
                 seq.metrics.spec.record(drafted, accepted, draft.depth())
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
+
+    def _reads_hidden(self, seq: Sequence) -> bool:
+        return seq.method is not None and bool(getattr(self.drafters[seq.method].proposer, "hidden_layers", ()))
 
     def _hidden_layers(self, batch: list[Sequence]) -> tuple[int, ...]:
         """The target layers whose hidden states the drafters of this batch's rows read (a head

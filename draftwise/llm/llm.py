@@ -58,21 +58,25 @@ class LLM:
         enforce_eager: bool = False,
         step_mode: str | None = "auto",
         adaptive_threads: bool = True,
+        enable_prefix_caching: bool = True,
         progress: bool = True,
     ) -> None:
         """enforce_eager (vLLM's name): every pass op by op, no CUDA graph or compiled step. step_mode:
         how decode and verification passes run (`draftwise.runner.static_step`): "auto" (CUDA graphs on
         CUDA, eager on the CPU), "eager", "compile", "graph", or None (the plain eager path).
         adaptive_threads: on the CPU, drop to one thread while that runs faster (a machine shared with
-        busy processes; `engine.thread_governor`), where the model's bits do not depend on the count."""
+        busy processes; `engine.thread_governor`), where the model's bits do not depend on the count.
+        enable_prefix_caching (vLLM's name): requests that start with tokens an earlier one committed
+        share that one's KV blocks and compute only the rest."""
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
             raise InvalidParameterError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
-        if not isinstance(adaptive_threads, bool):
-            raise InvalidParameterError(f"adaptive_threads must be true or false, got {adaptive_threads!r}")
+        for name, value in (("adaptive_threads", adaptive_threads), ("enable_prefix_caching", enable_prefix_caching)):
+            if not isinstance(value, bool):
+                raise InvalidParameterError(f"{name} must be true or false, got {value!r}")
         if not isinstance(enforce_eager, bool):
             raise InvalidParameterError(f"enforce_eager must be true or false, got {enforce_eager!r}")
         if enforce_eager and step_mode not in ("auto", None, "eager"):
@@ -100,7 +104,8 @@ class LLM:
                     f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no block of {block_size} tokens "
                     f"({ModelRunner.kv_bytes_per_token(self.model)} bytes per token)")
         self.runner = ModelRunner(self.model, max_num_seqs, self.max_model_len, num_blocks=num_blocks,
-                                  block_size=block_size, step_mode=None if enforce_eager else step_mode)
+                                  block_size=block_size, step_mode=None if enforce_eager else step_mode,
+                                  prefix_caching=enable_prefix_caching)
         self.target = Target(model, self.model_folder, self.tokenizer, self.runner, max_num_seqs,
                              self.max_model_len, progress, load_format)
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)  # structured outputs
@@ -298,6 +303,7 @@ class LLM:
         blocks = self.runner.blocks
         return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
                 "kv_blocks": blocks.num_blocks, "kv_blocks_in_use": blocks.num_blocks - blocks.num_free_blocks,
+                "prefix_cache_queries": blocks.prefix_queries, "prefix_cache_hits": blocks.prefix_hits,
                 "current_k": dict(self.engine.last_num_tokens),
                 "decode_steps": self.engine.counters.decode_steps,
                 "drafting_steps": self.engine.counters.drafting_steps,

@@ -50,8 +50,11 @@ from draftwise.speculative.control.live_costs import LiveCostModel
 
 
 def make_plan(options: PlanOptions, progress=print) -> Plan:
-    # each drafter is installed when its acceptance is measured (loading the draft model once)
-    llm = LLM(options.model, max_num_seqs=max(options.validate_max_concurrency, 1), progress=False)
+    # each drafter is installed when its acceptance is measured (loading the draft model once). No
+    # prefix caching: the plan runs the same sample again and again, which would find its prompts
+    # cached where the traffic it stands for would not (the prefills timed would be the cache's).
+    llm = LLM(options.model, max_num_seqs=max(options.validate_max_concurrency, 1), progress=False,
+              enable_prefix_caching=False)
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
     progress(f"plain decoding of {len(items)} sampled requests")

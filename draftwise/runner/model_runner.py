@@ -40,10 +40,11 @@ class ForwardResult:
 class ModelRunner:
     def __init__(self, model: Transformer, max_num_rows: int, max_len: int, *, num_blocks: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, step_mode: str | None = None,
-                 step_buckets: dict | None = None) -> None:
+                 step_buckets: dict | None = None, prefix_caching: bool = False) -> None:
         """max_num_rows * max_len tokens of cache unless `num_blocks` says how many blocks. step_mode:
         None (every pass eager) or a `StaticStep` mode ("eager", "compile", "graph"); step_buckets:
-        `row_buckets` and `token_buckets` for it."""
+        `row_buckets` and `token_buckets` for it. prefix_caching: full blocks of committed tokens are
+        shared by the sequences that start with them (`BlockManager`)."""
         self.model = model
         config = model.config
         self.device = model.norm.weight.device
@@ -53,7 +54,7 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = max_num_rows * -(-max_len // block_size)
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                             config.head_dim, self.dtype, self.device)
+                             config.head_dim, self.dtype, self.device, prefix_caching)
         self.blocks = self.cache.blocks
         self.step_mode = _resolve_step_mode(step_mode, self.cache)
         self.static_step = None if self.step_mode is None else StaticStep(model, self.cache, max_len, self.step_mode,
@@ -81,6 +82,15 @@ class ModelRunner:
 
     def truncate(self, handle: int, length: int) -> None:
         self.blocks.truncate(handle, length)
+
+    def share_prefix(self, handle: int, token_ids: list[int]) -> int:
+        """An empty sequence starts with the cached blocks of its tokens' longest cached prefix;
+        returns how many tokens it holds (0 without prefix caching)."""
+        return self.blocks.share_prefix(handle, token_ids)
+
+    def register_prefix(self, handle: int, token_ids: list[int]) -> None:
+        """The sequence's full blocks of committed tokens become shareable."""
+        self.blocks.register(handle, token_ids)
 
     # --- forward ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -61,7 +61,12 @@ class ServerMetrics:
         self.prediction = Histogram("draftwise:spec_decode_step_time_predicted_over_observed",
                                     "A decoding step's time as the live cost model predicted it, over its measured "
                                     "time (1: exact).", labels, buckets=PREDICTION_BUCKETS, registry=r)
+        self.prefix_queries = Counter("draftwise:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache (vLLM's name).", labels, registry=r)
+        self.prefix_hits = Counter("draftwise:prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(their KV blocks shared, not computed).", labels, registry=r)
         self._steps_seen = (0, 0)
+        self._prefix_seen = (0, 0)
 
     def segment(self, label: str | None) -> str:
         if label is None:
@@ -90,6 +95,10 @@ class ServerMetrics:
         self.decode_steps.labels(m).inc(max(0, steps - self._steps_seen[0]))
         self.drafting_steps.labels(m).inc(max(0, drafting - self._steps_seen[1]))
         self._steps_seen = (steps, drafting)
+        queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+        self.prefix_queries.labels(m).inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_hits.labels(m).inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (queries, hits)
         for ratio in stats.get("predicted_over_observed", ()):
             self.prediction.labels(m).observe(ratio)
 

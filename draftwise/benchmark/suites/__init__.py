@@ -26,6 +26,7 @@ SUITES = {
     "gpu": ("gpu", "one device (--device cuda): step at 1-64 rows vs the bound, verify curve, self-drafting, costs"),
     "structured": ("structured", "constrained plain vs constrained speculative (schemas, tool calls), batch 1 and 8"),
     "grammar-engines": ("grammar_engines", "llguidance vs xgrammar: compile time, mask time, JSON Schema coverage"),
+    "prefix-cache": ("prefix_cache", "a shared system prompt with prefix caching off and on: time to first token"),
 }
 
 

@@ -1,0 +1,79 @@
+"""Automatic prefix caching: full blocks of committed tokens shared by the requests that start with
+them, counted, evicted least recently released first; and outputs bit-identical to the same requests
+with caching off, greedy, seeded, speculating, under memory pressure and preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftwise import LLM, SamplingParams
+from draftwise.cache.block_manager import BlockManager
+from draftwise.runner.model_runner import ModelRunner
+
+SYSTEM = "You are a careful assistant. " * 12  # a long shared beginning (many blocks of 16 tokens)
+QUESTIONS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np"]
+
+
+def test_shared_blocks_are_counted_and_evicted_least_recently_released_first():
+    blocks = BlockManager(num_blocks=6, block_size=4, prefix_caching=True)
+    tokens = list(range(13))  # 3 full blocks and one token
+    blocks.add(0)
+    blocks.grow(0, 13)
+    blocks.set_length(0, 12)
+    blocks.register(0, tokens)
+    blocks.add(1)
+    assert blocks.share_prefix(1, tokens) == 12 and blocks.tables[1] == blocks.tables[0][:3]
+    assert [blocks.refs[b] for b in blocks.tables[0]] == [2, 2, 2, 1]
+    assert blocks.share_prefix(1, tokens) == 0  # (only an empty sequence starts from the cache)
+    blocks.check_invariants()
+    blocks.free(0)
+    blocks.free(1)
+    assert blocks.num_free_blocks == 6 and len(blocks._cached) == 3  # the prefix kept while free
+    blocks.add(2)
+    assert blocks.share_prefix(2, tokens[:9]) == 8  # (all but the last token: a block and a half here)
+    blocks.grow(2, 4 * 6)  # the three free blocks, then the cached one evicted
+    blocks.check_invariants()
+    assert len(blocks._cached) == 0 and blocks.prefix_hits == 12 + 8
+    with pytest.raises(ValueError, match="cannot cut into its registered block"):
+        blocks.set_length(2, 8)
+        blocks.register(2, tokens)
+        blocks.truncate(2, 6)
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=8, progress=False, enable_prefix_caching=False)
+
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24)]
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                         {"method": "draft", "num_speculative_tokens": 3}])
+def test_cached_prefixes_change_no_output(tiny_qwen, uncached, speculative, drafting_pays):
+    if speculative is not None and speculative["method"] == "draft":
+        speculative = {**speculative, "model": str(tiny_qwen)}
+    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=8, progress=False, speculative=speculative)
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    for params in PARAMS:
+        expected = [o.token_ids for o in uncached.generate(prompts, params)]
+        first = [llm.generate(p, params)[0] for p in prompts]  # one by one: each finds the ones before
+        again = llm.generate(prompts, params)  # batched, all cached
+        assert [o.token_ids for o in first] == expected and [o.token_ids for o in again] == expected
+    stats = llm.engine_stats()
+    assert stats["prefix_cache_hits"] > 0.6 * stats["prefix_cache_queries"]
+    llm.runner.blocks.check_invariants()
+
+
+def test_eviction_and_preemption_with_a_small_cache(tiny_qwen, uncached):
+    """A cache of 40 blocks for 8 requests of ~140 tokens: cached prefixes are evicted, requests are
+    preempted and resumed (from the cache where it still holds them), and nothing changes."""
+    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=8, progress=False,
+              kv_cache_memory_bytes=40 * 16 * ModelRunner.kv_bytes_per_token(uncached.model))
+    prompts = [SYSTEM + q for q in QUESTIONS] * 2
+    params = SamplingParams(temperature=0, max_tokens=40)
+    expected = [o.token_ids for o in uncached.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert [o.token_ids for o in llm.generate(prompts[::-1], params)] == expected[::-1]
+    llm.runner.blocks.check_invariants()
+    assert llm.engine_stats()["prefix_cache_hits"] > 0
