@@ -182,3 +182,10 @@ def test_real_structured_outputs_and_tool_calls(quantized_target):
                                                          structured_outputs=plan.constraint(tags_are_tokens=True)))[0]
     _, calls = split_tool_calls(output.text)
     assert [call.name for call in calls] == ["get_weather"] and json.loads(calls[0].arguments)["city"] == "Paris"
+
+
+def test_real_fill_in_the_middle(quantized_target):
+    ids = quantized_target.tokenizer.fim_prompt("def add(a, b):\n    return ", "\n\nprint(add(2, 3))\n")
+    middle = quantized_target.generate({"prompt_token_ids": ids, "prompt": ""},
+                                       SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert middle.strip().startswith("a + b"), middle

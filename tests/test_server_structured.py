@@ -203,3 +203,31 @@ def test_a_conversation_with_a_call_and_its_result(server, reference):
     assert '"arguments": {"city": "Paris", "days": 1}' in rendered and "sunny, 24 C" in rendered
     expected = reference.generate(rendered, SamplingParams(temperature=0, max_tokens=12))[0].text
     assert answer.choices[0].message.content == expected
+
+
+def test_fill_in_the_middle_and_echo(server, reference):
+    tokenizer = reference.tokenizer
+    ids = tokenizer.fim_prompt("def add(a, b):\n    return ", "\n\nprint(add(1, 2))")
+    assert ids[0] == tokenizer.token_to_id("<|fim_prefix|>") and ids[-1] == tokenizer.token_to_id("<|fim_middle|>")
+    client = server.client()
+    middle = client.completions.create(model=MODEL, prompt="def add(a, b):\n    return ", suffix="\n\nprint(add(1, 2))",
+                                       temperature=0, max_tokens=8)
+    expected = reference.generate({"prompt_token_ids": ids, "prompt": ""},
+                                  SamplingParams(temperature=0, max_tokens=8))[0].text
+    assert middle.choices[0].text == expected
+    echoed = client.completions.create(model=MODEL, prompt="def add(a, b):", echo=True, temperature=0, max_tokens=6)
+    plain = client.completions.create(model=MODEL, prompt="def add(a, b):", temperature=0, max_tokens=6)
+    assert echoed.choices[0].text == "def add(a, b):" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="def add(a, b):", echo=True, temperature=0, max_tokens=6, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+
+
+def test_a_model_without_fim_tokens_refuses_suffix(tiny_qwen):
+    live = LiveServer(LLM(str(tiny_qwen), max_model_len=256, progress=False), MODEL)
+    try:
+        response = httpx.post(live.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "def f(", "suffix": ")", "max_tokens": 4})
+        assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]["message"]
+    finally:
+        live.stop()

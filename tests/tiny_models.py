@@ -36,7 +36,7 @@ TOOL_TEMPLATE = (
     "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 def train_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) -> Tokenizer:
@@ -57,7 +57,8 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
     depends mostly on the current one: greedy decoding then soon repeats itself (like real text
     often does), which gives prompt lookup something to find.
-    tools: `<tool_call>` and `</tool_call>` are special tokens and the chat template renders tools.
+    tools: `<tool_call>` and `</tool_call>` (and fill-in-the-middle's markers) are special tokens and
+    the chat template renders tools.
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

@@ -46,9 +46,12 @@ class RequestHandler:
         first = await self._first_output(outputs)
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
         logprobs = self._logprobs_format(engine_request)
+        echo = None
+        if engine_request.echo:  # (completions: the answer's text starts with the prompt's)
+            echo = prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])
         context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
                                 self.metrics.segment(body.segment), engine_request.method, engine_request.calls_tools,
-                                logprobs)
+                                logprobs, echo)
         if body.stream:
             return StreamingResponse(stream_events(first, outputs, context, self.metrics),
                                      media_type="text/event-stream")
@@ -58,7 +61,7 @@ class RequestHandler:
                                kind="server_error", code=final.error_reason or "engine_error")
         self.metrics.observe_finished(final, context.segment, context.method)
         return JSONResponse(response_body(final, context.request_id, context.created, self.model_name,
-                                          engine_request.chat, engine_request.calls_tools, logprobs))
+                                          engine_request.chat, engine_request.calls_tools, logprobs, echo))
 
     def _logprobs_format(self, request: EngineRequest) -> LogprobsFormat | None:
         params = request.params
@@ -85,6 +88,12 @@ class RequestHandler:
         try:
             if request.chat:
                 ids = tokenizer.encode_chat(request.messages, tools=request.tools)  # text never forges control tokens
+            elif request.fim_suffix is not None:
+                ids = tokenizer.fim_prompt(request.text, request.fim_suffix)
+                if ids is None:
+                    raise RequestError(400, f"model {self.model_name!r} has no fill-in-the-middle tokens "
+                                       "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>): suffix is not served",
+                                       "suffix", "unsupported_parameter")
             elif request.text is not None:
                 ids = tokenizer.encode(request.text)
             else:

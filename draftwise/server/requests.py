@@ -22,7 +22,6 @@ from draftwise.server.tools import ToolPlan, ToolRequestError, assistant_calls, 
 
 LATER = {"n": "one choice per request (n = 1, best_of = 1)",
          "functions": "the deprecated functions / function_call fields are not served; use tools and tool_choice",
-         "fim": "echo and suffix are not implemented yet",
          "openai": "a feature of OpenAI's hosted models that this server does not have"}
 
 # field -> (is the value neutral?, why anything else is refused)
@@ -33,8 +32,6 @@ _COMMON: dict[str, tuple[Callable, str]] = {
 }
 _COMPLETIONS: dict[str, tuple[Callable, str]] = {
     "best_of": (lambda v: v in (None, 1), LATER["n"]),
-    "echo": (lambda v: v in (None, False), LATER["fim"]),
-    "suffix": (lambda v: v is None, LATER["fim"]),
 }
 _CHAT: dict[str, tuple[Callable, str]] = {
     "audio": (lambda v: v is None, LATER["openai"]),
@@ -96,6 +93,8 @@ class EngineRequest:
     num_prompt_chars: int = 0  # the prompt's characters before tokenizing (the length check)
     chat: bool = False
     method: str | None = None  # the drafter it runs with (metrics), None: plain
+    echo: bool = False  # a completion's text starts with its prompt
+    fim_suffix: str | None = None  # a completion's fill-in-the-middle suffix (the prompt is the prefix)
 
 
 def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
@@ -121,6 +120,18 @@ def completion_request(body: CompletionRequest, limits: ServerLimits, served: Se
             prompt = prompt[0]
         request.text = prompt
         request.num_prompt_chars = len(prompt)
+    if body.suffix is not None:
+        if request.text is None:
+            raise RequestError(400, "suffix needs a text prompt (the part before the gap)", "suffix")
+        request.fim_suffix = body.suffix
+        request.num_prompt_chars += len(body.suffix)
+    if body.echo:
+        if body.logprobs is not None:
+            raise RequestError(400, "echo with logprobs would need the prompt's logprobs, which are not served",
+                               "echo", "unsupported_parameter")
+        if body.suffix is not None:
+            raise RequestError(400, "echo and suffix together are not supported", "echo", "unsupported_parameter")
+        request.echo = True
     request.method = _method(request.options, served)
     return request
 

@@ -34,13 +34,15 @@ def chunk(request_id: str, created: int, model: str, chat: bool, content, finish
 
 
 def response_body(output: RequestOutput, request_id: str, created: int, model: str, chat: bool,
-                  calls_tools: bool = False, logprobs: LogprobsFormat | None = None) -> dict:
+                  calls_tools: bool = False, logprobs: LogprobsFormat | None = None, echo: str | None = None) -> dict:
     """calls_tools: the answer may call tools; its calls become the message's `tool_calls`.
-    logprobs: how the request asked for its logprobs (None: it did not)."""
+    logprobs: how the request asked for its logprobs (None: it did not). echo: a completion's
+    prompt text, put before its answer."""
     listed = None if logprobs is None or output.logprobs is None else logprobs.body(output.logprobs,
                                                                                    output.token_ids)
     if not chat:
-        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": listed}
+        choice = {"index": 0, "text": (echo or "") + output.text, "finish_reason": output.finish_reason,
+                  "logprobs": listed}
     else:
         message, called = answer_message(output.text) if calls_tools else ({"role": "assistant",
                                                                              "content": output.text}, False)

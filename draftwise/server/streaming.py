@@ -31,6 +31,7 @@ class StreamContext:
     method: str | None
     calls_tools: bool = False  # the answer may call tools: calls stream as tool_calls deltas
     logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each chunk carries its tokens'
+    echo: str | None = None  # a completion's prompt text, streamed first
 
 
 async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput], context: StreamContext,
@@ -45,6 +46,8 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
         if chat:
             yield sse(chunk(context.request_id, context.created, context.model, chat,
                             {"role": "assistant", "content": ""}, None))
+        elif context.echo:
+            yield sse(chunk(context.request_id, context.created, context.model, chat, context.echo, None))
         output = first
         while True:
             if output.finish_reason == "error":

@@ -14,6 +14,7 @@ from draftwise.text.chat_isolation import Piece, isolate_client_text
 from draftwise.text.chat_template import ChatTemplate, find_chat_template
 from draftwise.errors import ChatTemplateError, ModelFormatError
 
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # fill-in-the-middle's markers
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
 
@@ -121,6 +122,16 @@ class Tokenizer:
         # (the tools' descriptions are client text too)
         pieces = isolate_client_text([messages, tools or []], rendered, render, self._find_control_text)
         return self.encode(rendered) if pieces is None else self._encode_isolated(pieces)
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int] | None:
+        """Token ids of a fill-in-the-middle prompt (prefix, suffix, middle: `<|fim_prefix|>` prefix
+        `<|fim_suffix|>` suffix `<|fim_middle|>`, the Qwen2.5-Coder / StarCoder layout), the client's
+        text tokenized as text; None if the vocabulary has no such tokens."""
+        ids = [self.token_to_id(token) for token in FIM_TOKENS]
+        if any(i is None for i in ids):
+            return None
+        start, hole, middle = ids
+        return self._with_bos([start, *self._encode_plain(prefix), hole, *self._encode_plain(suffix), middle])
 
     def _encode_isolated(self, pieces: list[Piece]) -> list[int]:
         """Ids of the pieces with added tokens matched in template pieces only.
