@@ -121,3 +121,33 @@ def test_the_server_takes_the_processors_fields(server, plain):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
     refused = httpx.post(server.url + "/v1/completions", timeout=30, json={**body, "presence_penalty": 5})
     assert refused.status_code == 400 and "presence_penalty" in refused.json()["error"]["message"]
+
+
+def test_n_and_best_of_in_the_library(plain):
+    params = SamplingParams(temperature=1.0, seed=4, n=2, best_of=4, max_tokens=10)
+    out = plain.generate(PROMPTS[:2], params)
+    assert len(out) == 2 and all(len(o.outputs) == 2 for o in out)
+    for o in out:
+        scores = [c.cumulative_logprob for c in o.outputs]
+        assert scores == sorted(scores, reverse=True) and o.outputs[0].logprobs is None  # (not asked for)
+        singles = [plain.generate(PROMPTS[out.index(o)], SamplingParams(temperature=1.0, seed=4 + j,
+                                                                         max_tokens=10, logprobs=0))[0]
+                   for j in range(4)]
+        best = sorted(singles, key=lambda s: -sum(e[t].logprob for t, e in zip(s.token_ids, s.logprobs)))[:2]
+        assert [c.token_ids for c in o.outputs] == [s.token_ids for s in best]
+    with pytest.raises(Exception, match="n and best_of above 1 are served by generate"):
+        plain.add_request("x", SamplingParams(n=2))
+
+
+def test_n_choices_over_http(server):
+    client = server.client()
+    answer = client.completions.create(model="tiny", prompt="def add(a, b):", temperature=1.0, seed=1, n=3,
+                                       max_tokens=8, logprobs=0)
+    assert [c.index for c in answer.choices] == [0, 1, 2] and len({c.text for c in answer.choices}) > 1
+    best = client.completions.create(model="tiny", prompt="def add(a, b):", temperature=1.0, seed=1, n=1, best_of=3,
+                                     max_tokens=8, logprobs=0)
+    totals = [sum(c.logprobs.token_logprobs) for c in answer.choices]
+    assert sum(best.choices[0].logprobs.token_logprobs) == pytest.approx(max(totals), abs=1e-4)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          temperature=1.0, seed=2, max_tokens=6)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens > 6  # (both samples counted)

@@ -60,7 +60,7 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
 
     refused = [(name, value) for name, value in (
-        ("n", 2), ("best_of", 2), ("spaces_between_special_tokens", True))]
+        ("spaces_between_special_tokens", True),)]
     chat_refused = [(name, value) for name, value in (
         ("functions", [{"name": "f"}]), ("modalities", ["text", "audio"]),
         ("store", True), ("reasoning_effort", "high"), ("prediction", {"type": "content", "content": "x"}))]
@@ -91,6 +91,8 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         Hostile("the wrong method", 405, "not allowed", path="/v1/completions", method="GET"),
         Hostile("a DNS-rebinding Host", 400, "not allowed", json=completion(), headers={"host": "evil.example"}),
         Hostile("an image part", 400, "image_url", path="/v1/chat/completions", json=chat(messages=[image])),
+        Hostile("best_of below n", 400, "best_of", json=completion(n=3, best_of=2)),
+        Hostile("n above 1 streamed", 400, "stream", json=completion(n=2, stream=True), param="stream"),
         Hostile("echo with logprobs", 400, "echo", json=completion(echo=True, logprobs=2), param="echo"),
         Hostile("a penalty out of range", 400, "presence_penalty", json=completion(presence_penalty=5.0)),
         Hostile("a logit bias past the vocabulary", 400, "logit_bias", json=completion(logit_bias={"99999999": 5})),

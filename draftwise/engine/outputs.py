@@ -66,6 +66,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "error", or None while running
     logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None  # the sum of its tokens' logprobs (best_of ranks by it)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class RequestOutput:
     delta: str = ""  # from LLM.step: text new since the previous output (stop-string safe)
     num_new_tokens: int = 0  # from LLM.step: tokens new since the previous output
     logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=N): one dict per generated token
+    completions: list[CompletionOutput] | None = None  # with n > 1: every sample (this output is the first)
 
     @property
     def finished(self) -> bool:
@@ -89,5 +91,7 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape: one completion per request."""
+        """vLLM's shape: the request's completions (one unless n > 1)."""
+        if self.completions is not None:
+            return self.completions
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]

@@ -15,6 +15,7 @@ from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
+from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
                                     prompt_parts, request_speculation)
 from draftwise.loading.hf_folder import load_model
@@ -195,11 +196,14 @@ class LLM:
         return seq
 
     @staticmethod
-    def _params(sampling_params: SamplingParams | None) -> SamplingParams:
+    def _params(sampling_params: SamplingParams | None, one_sample: bool = False) -> SamplingParams:
         if sampling_params is None:
             return SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise InvalidParameterError("sampling_params must be a SamplingParams")
+        if one_sample and sample_count(sampling_params) > 1:
+            raise InvalidParameterError("n and best_of above 1 are served by generate() (and the server); "
+                                        "stream() and add_request() take one sample per request")
         return sampling_params
 
     def generate(self, prompts: str | TokensPrompt | list[str | TokensPrompt],
@@ -207,10 +211,13 @@ class LLM:
         """Run every prompt (text, or {"prompt_token_ids": [...]}) to completion, batched; outputs
         come back in prompt order. A request that fails ends alone with finish_reason "error" and
         its `error`; the others finish as they would have. segment: a traffic label (the adaptive
-        controller keeps statistics per segment)."""
+        controller keeps statistics per segment). With n > 1 (or best_of), every prompt's samples run
+        as requests of their own and its output gathers them (`outputs`: vLLM's shape)."""
         params = self._params(sampling_params)
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        sequences = [self._make_sequence(prompt, params, segment) for prompt in prompt_list]  # validate all first
+        samples = per_sample(params)
+        sequences = [self._make_sequence(prompt, sample, segment)  # (validate all first)
+                     for prompt in prompt_list for sample in samples]
         for seq in sequences:
             self.engine.check(seq)
         for seq in sequences:
@@ -224,7 +231,8 @@ class LLM:
                     self.engine.abort(seq)
         for seq in sequences:
             self.spec_metrics.merge(seq.metrics.spec)
-        return [seq.output() for seq in sequences]
+        outputs = [seq.output() for seq in sequences]
+        return [gathered(outputs[i:i + len(samples)], params) for i in range(0, len(outputs), len(samples))]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -242,7 +250,7 @@ class LLM:
                sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield text as it is produced; the last delta carries the full output (a failed request's
         last delta has finish_reason "error" and the output's `error` says why)."""
-        seq = self._make_sequence(prompt, self._params(sampling_params))
+        seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True))
         self.engine.check(seq)
         self.engine.add(seq)
         try:
@@ -269,7 +277,7 @@ class LLM:
         segment: a traffic label (the adaptive controller keeps statistics per segment).
         max_tokens_must_fit: refuse (rather than shorten) a max_tokens that the context cannot
         hold after the prompt, as OpenAI's API does."""
-        seq = self._make_sequence(prompt, self._params(sampling_params), segment)
+        seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True), segment)
         if max_tokens_must_fit:
             check_max_tokens_fit(len(seq.prompt_token_ids), seq.params.max_tokens, self.max_model_len)
         seq.method, seq.max_draft_tokens = request_speculation(speculative, self.engine.default_method,

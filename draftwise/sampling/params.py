@@ -10,6 +10,7 @@ from draftwise.sampling.structured_params import StructuredOutputsParams
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's and vLLM's limit)
+MAX_SAMPLES = 16  # n and best_of at most
 
 
 @dataclass(slots=True)
@@ -35,6 +36,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids banned until this many tokens were generated
     bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
     logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
+    n: int = 1  # samples returned per prompt
+    best_of: int | None = None  # samples generated per prompt (>= n), the n most likely returned
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
@@ -90,6 +93,10 @@ class SamplingParams:
             if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words must be a list of non-empty strings")
             self.bad_words = [check_text(w, "bad_words") for w in self.bad_words] or None
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise InvalidParameterError(f"n must be an integer from 1 to {MAX_SAMPLES}, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
+            raise InvalidParameterError(f"best_of must be an integer from n to {MAX_SAMPLES}, got {self.best_of!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidParameterError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
 

@@ -18,6 +18,7 @@ from draftwise.server.async_engine import AsyncEngine, EngineDraining, EngineSto
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import SamplingFields
 from draftwise.server.requests import EngineRequest, RequestError, Served, ServerLimits
+from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.server.logprobs import LogprobsFormat
 from draftwise.server.responses import new_id, now, response_body
 from draftwise.server.streaming import StreamContext, stream_events
@@ -42,6 +43,8 @@ class RequestHandler:
 
     async def run(self, request: Request, body: SamplingFields, engine_request: EngineRequest):
         prompt = await asyncio.to_thread(self._tokenize, engine_request)  # the tokenizer releases the GIL
+        if sample_count(engine_request.params) > 1:
+            return await self._run_samples(request, body, engine_request, prompt)
         outputs = self.engine.generate(prompt, engine_request.params, **engine_request.options)
         first = await self._first_output(outputs)
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
@@ -62,6 +65,33 @@ class RequestHandler:
         self.metrics.observe_finished(final, context.segment, context.method)
         return JSONResponse(response_body(final, context.request_id, context.created, self.model_name,
                                           engine_request.chat, engine_request.calls_tools, logprobs, echo))
+
+    async def _run_samples(self, request: Request, body: SamplingFields, engine_request: EngineRequest,
+                           prompt: dict) -> JSONResponse:
+        """n > 1 or best_of: each sample a request of its own (sharing the prompt's KV blocks through the
+        prefix cache), gathered into one answer."""
+        if body.stream:
+            raise RequestError(400, "n or best_of above 1 are served without stream (send stream: false)",
+                               "stream", "unsupported_parameter")
+        params = engine_request.params
+        streams = [self.engine.generate(prompt, sample, **engine_request.options) for sample in per_sample(params)]
+        firsts = [await self._first_output(stream) for stream in streams]
+        finals = await asyncio.gather(*(self._last_output(request, first, stream)
+                                        for first, stream in zip(firsts, streams)))
+        failed = next((final for final in finals if final.finish_reason == "error"), None)
+        if failed is not None:
+            raise RequestError(FAILED_STATUS.get(failed.error_reason, 500), failed.error or "the request failed",
+                               kind="server_error", code=failed.error_reason or "engine_error")
+        segment = self.metrics.segment(body.segment)
+        for final in finals:
+            self.metrics.observe_finished(final, segment, engine_request.method)
+        output = gathered(list(finals), params)
+        echo = (prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])) \
+            if engine_request.echo else None
+        prefix = "chatcmpl" if engine_request.chat else "cmpl"
+        return JSONResponse(response_body(output, new_id(prefix), now(), self.model_name, engine_request.chat,
+                                          engine_request.calls_tools, self._logprobs_format(engine_request), echo,
+                                          samples=list(finals)))
 
     def _logprobs_format(self, request: EngineRequest) -> LogprobsFormat | None:
         params = request.params

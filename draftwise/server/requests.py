@@ -20,18 +20,15 @@ from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, Comple
 from draftwise.server.structured import StructuredRequestError, requested_structure
 from draftwise.server.tools import ToolPlan, ToolRequestError, assistant_calls, plan_tools
 
-LATER = {"n": "one choice per request (n = 1, best_of = 1)",
-         "functions": "the deprecated functions / function_call fields are not served; use tools and tool_choice",
+LATER = {         "functions": "the deprecated functions / function_call fields are not served; use tools and tool_choice",
          "openai": "a feature of OpenAI's hosted models that this server does not have"}
 
 # field -> (is the value neutral?, why anything else is refused)
 _COMMON: dict[str, tuple[Callable, str]] = {
-    "n": (lambda v: v in (None, 1), LATER["n"]),
     "spaces_between_special_tokens": (lambda v: v in (None, False), "special tokens are decoded without spaces "
                                                                     "between them (send false or leave it out)"),
 }
 _COMPLETIONS: dict[str, tuple[Callable, str]] = {
-    "best_of": (lambda v: v in (None, 1), LATER["n"]),
 }
 _CHAT: dict[str, tuple[Callable, str]] = {
     "audio": (lambda v: v is None, LATER["openai"]),
@@ -255,7 +252,8 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: Serve
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
                               max_tokens=max_tokens, stop=stop, ignore_eos=bool(body.ignore_eos),
                               structured_outputs=structure, skip_special_tokens=skip_special,
-                              logprobs=_logprobs(body), **optional)
+                              logprobs=_logprobs(body), n=1 if body.n is None else body.n,
+                              best_of=getattr(body, "best_of", None), **optional)
     except InvalidParameterError as error:
         raise RequestError(400, str(error), _param_named(str(error))) from None
 

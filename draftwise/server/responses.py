@@ -34,28 +34,35 @@ def chunk(request_id: str, created: int, model: str, chat: bool, content, finish
 
 
 def response_body(output: RequestOutput, request_id: str, created: int, model: str, chat: bool,
-                  calls_tools: bool = False, logprobs: LogprobsFormat | None = None, echo: str | None = None) -> dict:
+                  calls_tools: bool = False, logprobs: LogprobsFormat | None = None, echo: str | None = None,
+                  samples: list[RequestOutput] | None = None) -> dict:
     """calls_tools: the answer may call tools; its calls become the message's `tool_calls`.
     logprobs: how the request asked for its logprobs (None: it did not). echo: a completion's
-    prompt text, put before its answer."""
-    listed = None if logprobs is None or output.logprobs is None else logprobs.body(output.logprobs,
-                                                                                   output.token_ids)
-    if not chat:
-        choice = {"index": 0, "text": (echo or "") + output.text, "finish_reason": output.finish_reason,
-                  "logprobs": listed}
-    else:
-        message, called = answer_message(output.text) if calls_tools else ({"role": "assistant",
-                                                                             "content": output.text}, False)
-        finish_reason = "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": listed}
+    prompt text, put before its answer. Several samples (n > 1): a choice each, and `samples` (all
+    that were generated, best_of's too) count in the usage."""
+    choices = []
+    for completion in output.outputs:
+        listed = None if logprobs is None or completion.logprobs is None else logprobs.body(completion.logprobs,
+                                                                                           completion.token_ids)
+        if not chat:
+            choices.append({"index": completion.index, "text": (echo or "") + completion.text,
+                            "finish_reason": completion.finish_reason, "logprobs": listed})
+            continue
+        message, called = answer_message(completion.text) if calls_tools else ({"role": "assistant",
+                                                                                 "content": completion.text}, False)
+        finish_reason = "tool_calls" if called and completion.finish_reason == "stop" else completion.finish_reason
+        choices.append({"index": completion.index, "message": message, "finish_reason": finish_reason,
+                        "logprobs": listed})
     return {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
-            "choices": [choice], "usage": usage(output)}
+            "choices": choices, "usage": usage(output, samples)}
 
 
-def usage(output: RequestOutput) -> dict:
+def usage(output: RequestOutput, samples: list[RequestOutput] | None = None) -> dict:
+    """Token counts (the prompt once; every sample's generated tokens), and speculation's."""
     metrics = output.metrics
-    body = {"prompt_tokens": metrics.num_prompt_tokens, "completion_tokens": metrics.num_generated_tokens,
-            "total_tokens": metrics.num_prompt_tokens + metrics.num_generated_tokens}
+    generated = sum(s.metrics.num_generated_tokens for s in samples) if samples else metrics.num_generated_tokens
+    body = {"prompt_tokens": metrics.num_prompt_tokens, "completion_tokens": generated,
+            "total_tokens": metrics.num_prompt_tokens + generated}
     spec = metrics.spec
     if spec is not None and (spec.num_drafts or spec.num_plain_steps):
         body["speculation"] = {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
