@@ -104,6 +104,7 @@ def string_constants(tree: ast.AST) -> list[tuple[int, str]]:
 NOT_DRAFTER_NAMES = {
     ("speculative/control/cost_model.py", "draft"),  # the JSON key of its table of drafting costs
     ("server/requests.py", "suffix"),  # the OpenAI completions field (fill-in-the-middle)
+    ("server/handler.py", "suffix"),  # the same field, named in its error
     ("benchmark/hostile_requests.py", "suffix"),  # the same field, sent by the hostile client
     ("speculative/heads/eagle_format.py", "eagle"),  # speculators' model type for EAGLE-1 (a file format's field)
     ("speculative/heads/eagle3_format.py", "eagle3"),  # speculators' model type and algorithm for EAGLE-3
