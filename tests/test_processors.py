@@ -219,3 +219,15 @@ def test_speculative_sampling_with_processors_follows_the_processed_target(tiny_
                 failures.append(report[-1])
     print("\n".join([metrics.summary(), *report]))
     assert not failures
+
+
+def test_the_target_drafting_for_itself_under_processors_accepts_everything(tiny_qwen, plain):
+    """The draft model applies the same processors as it drafts, with its draft in the history: the
+    target drafting for itself proposes exactly what the processed target emits."""
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4,
+                           "adaptive": False})
+    params = sampling("all")
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert llm.spec_metrics.acceptance_rate == 1.0 and llm.spec_metrics.num_draft_tokens > 20

@@ -262,3 +262,17 @@ def test_seeded_sampling_under_a_grammar_equals_plain(tiny_qwen, plain, drafting
     assert_drafted(outputs, accepted=True)
     for output in outputs:
         assert_matches("grammar", output.text)
+
+
+def test_the_target_drafting_for_itself_inside_a_grammar_accepts_everything(tiny_qwen, plain):
+    """The draft model drafts inside the grammar (its logits masked as the target's are); without
+    forced drafts (a forced token is the tokenizer's spelling, which the target may not choose) the
+    target drafting for itself proposes exactly what the constrained target emits."""
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4,
+                           "adaptive": False, "forced_drafts": False})
+    for constraint in ("compact json", "regex", "grammar"):
+        params = greedy(constraint)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in plain.generate(
+            PROMPTS, params)]
+    assert llm.spec_metrics.acceptance_rate == 1.0 and llm.spec_metrics.num_draft_tokens > 20

@@ -6,6 +6,7 @@ import torch
 
 from draftwise.errors import InvalidParameterError
 from draftwise.runner.model_runner import ModelRunner
+from draftwise.sampling.processors import RowHistory, needs_processing, process_positions
 from draftwise.sampling.sampler import SamplingBatch, sample_from_probs, sampling_probs
 from draftwise.speculative.proposer import Draft
 from draftwise.speculative.sequence import SequenceState
@@ -29,6 +30,9 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     kept); an unseeded one keeps its draft probabilities for rejection sampling.
     The last drafted token is not fed back (the target's verification pass does that).
 
+    A request with penalties, a logit bias, min_tokens or bad words drafts with them applied as the
+    target will apply them (`sampling.processors`, the draft so far in the history), so its drafts
+    follow the processed target.
     A request with a grammar (structured outputs) drafts inside it (`GrammarDrafting`): its logits
     keep only the tokens the grammar allows after the committed tokens and the draft so far, so its
     drafts need no cutting where they would leave it. Lossless as any proposal is: a sampled row's
@@ -55,7 +59,7 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
                 break
             result = runner.forward([rows[b] for b in live], [pending[b] for b in live], [1] * len(live),
                                     num_layers=num_layers)
-            logits = grammars.masked(result.logits, live)  # [n, V]
+            logits = grammars.masked(processed(result.logits, live, seqs, token_ids), live)  # [n, V]
             params = [seqs[b].params for b in live]
             positions = [len(seqs[b].output_ids) + step for b in live]  # the output position each draft fills
             sampling = SamplingBatch.build(params, positions, logits.shape[-1], logits.device)
@@ -86,6 +90,23 @@ def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[Sequ
     if branches > 1:
         return [chain_with_leaves(ids, confidences[b], leaves[b], probs[b]) for b, ids in enumerate(token_ids)]
     return [Draft(ids, torch.stack(p) if p else None) for ids, p in zip(token_ids, probs)]
+
+
+def processed(logits: torch.Tensor, live: list[int], seqs: list[SequenceState],
+              drafted: list[list[int]]) -> torch.Tensor:
+    """logits [n, V] of the live rows, each row with processors processed as the target will process
+    its next position (history: committed tokens, then the draft so far)."""
+    rows = [i for i, b in enumerate(live) if needs_processing(seqs[b].params)]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        seq = seqs[live[i]]
+        prompt = seq.token_ids[:len(seq.token_ids) - len(seq.output_ids)]
+        history = RowHistory(seq.params, prompt, seq.output_ids + drafted[live[i]], seq.end_token_ids,
+                             seq.bad_words_ids)
+        out[i] = process_positions(logits[i][None, None], [history], [[]])[0, 0].to(out.dtype)
+    return out
 
 
 class GrammarDrafting:

@@ -16,10 +16,15 @@ class SequenceState(Protocol):
     segment: str | None  # a traffic label: the controller keeps statistics per segment
     output_ids: list[int]  # tokens generated so far
     grammar: RequestGrammar | None  # structured outputs: the output's place in its grammar (None: free)
+    bad_words_ids: list[list[int]]  # params.bad_words as token ids (the logits processors read them)
 
     @property
     def token_ids(self) -> list[int]:
         """Prompt and output: every committed token."""
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """EOS (unless ignored) and stop_token_ids: what min_tokens holds back."""
 
     @property
     def num_tokens_left(self) -> int:
