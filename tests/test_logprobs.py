@@ -151,3 +151,32 @@ def test_n_choices_over_http(server):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
                                           temperature=1.0, seed=2, max_tokens=6)
     assert len(chat.choices) == 2 and chat.usage.completion_tokens > 6  # (both samples counted)
+
+
+def test_prompt_logprobs(tiny_qwen):
+    plain = LLM(str(tiny_qwen), max_model_len=512, progress=False)
+    prompt = "def add(a, b):\n    return a + b\n" * 20  # (longer than one chunk of the LM head: 256 positions)
+    output = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0]
+    ids = output.prompt_token_ids
+    assert len(output.prompt_logprobs) == len(ids) > 256 and output.prompt_logprobs[0] is None
+    with torch.no_grad():
+        logits = plain.model(torch.tensor([ids]), torch.arange(len(ids))[None])[0].float()
+    expected = torch.log_softmax(logits, -1)
+    for p in (1, 100, 257, len(ids) - 1):
+        entry = output.prompt_logprobs[p]
+        assert abs(entry[ids[p]].logprob - float(expected[p - 1, ids[p]])) < 1e-4
+        assert len([lp for lp in entry.values() if lp.rank <= 2]) == 2
+
+
+def test_echo_with_logprobs_lists_the_prompt_first(server):
+    client = server.client()
+    answer = client.completions.create(model="tiny", prompt="def add(a, b):", echo=True, logprobs=1, temperature=0,
+                                       max_tokens=4)
+    choice = answer.choices[0]
+    assert choice.text.startswith("def add(a, b):") and "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.token_logprobs[0] is None and all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    assert choice.model_extra["prompt_logprobs"][0] is None
+    streamed = [c for c in client.completions.create(model="tiny", prompt="def add(a, b):", echo=True, logprobs=1,
+                                                     temperature=0, max_tokens=4, stream=True) if c.choices]
+    values = [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert values == choice.logprobs.token_logprobs

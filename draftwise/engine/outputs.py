@@ -84,6 +84,7 @@ class RequestOutput:
     num_new_tokens: int = 0  # from LLM.step: tokens new since the previous output
     logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=N): one dict per generated token
     completions: list[CompletionOutput] | None = None  # with n > 1: every sample (this output is the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams(prompt_logprobs=N)
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,7 @@ class Sequence:
         self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar
         self.bad_words_ids: list[list[int]] = []  # params.bad_words as token ids (`processors.bad_word_ids`)
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None  # with params.prompt_logprobs: one entry per prompt token
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
@@ -132,4 +133,5 @@ class Sequence:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                              list(self.output_ids), self.finish_reason, self.metrics, error=self.error,
                              error_reason=self.error_reason,
-                             logprobs=None if self.logprobs is None else list(self.logprobs))
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             prompt_logprobs=self.prompt_logprobs)

@@ -15,6 +15,7 @@ from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
+from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
                                     prompt_parts, request_speculation)
@@ -193,6 +194,8 @@ class LLM:
             seq.grammar = self.grammars.request_grammar(params.structured_outputs)
         if params.bad_words:
             seq.bad_words_ids = bad_word_ids(params.bad_words, lambda text: self.tokenizer.encode_batch([text])[0])
+        if params.prompt_logprobs is not None:  # (a pass of its own over the prompt, before the request runs)
+            seq.prompt_logprobs = prompt_logprobs(self.model, prompt_ids, params.prompt_logprobs)
         return seq
 
     @staticmethod

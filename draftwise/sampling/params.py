@@ -36,6 +36,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids banned until this many tokens were generated
     bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
     logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the N most likely
     n: int = 1  # samples returned per prompt
     best_of: int | None = None  # samples generated per prompt (>= n), the n most likely returned
 
@@ -93,6 +94,10 @@ class SamplingParams:
             if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words must be a list of non-empty strings")
             self.bad_words = [check_text(w, "bad_words") for w in self.bad_words] or None
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidParameterError(f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, "
+                                        f"got {self.prompt_logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             raise InvalidParameterError(f"n must be an integer from 1 to {MAX_SAMPLES}, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):

@@ -20,13 +20,16 @@ def chat_logprobs(logprobs: SampleLogprobs, token_ids: list[int], tokenizer, top
 
 def completion_logprobs(logprobs: SampleLogprobs, token_ids: list[int], tokenizer, top: int,
                         end_ids: frozenset[int] = frozenset(), text_offset: int = 0) -> dict:
+    """(An entry may be None: a prompt's first token, which nothing predicts; its logprob is null.)"""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token, entry in _listed(logprobs, token_ids, end_ids):
         text = tokenizer.decode([token], skip_special_tokens=False)
         tokens.append(text)
-        token_logprobs.append(entry[token].logprob)
-        alternatives = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top), key=lambda item: item[1].rank)
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): lp.logprob for t, lp in alternatives[:top]})
+        token_logprobs.append(None if entry is None else entry[token].logprob)
+        alternatives = [] if entry is None else sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top),
+                                                       key=lambda item: item[1].rank)
+        tops.append(None if entry is None else
+                    {tokenizer.decode([t], skip_special_tokens=False): lp.logprob for t, lp in alternatives[:top]})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

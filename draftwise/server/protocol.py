@@ -63,6 +63,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None
     speculative: SpeculationRequest | None = None
     segment: StrictStr | None = Field(default=None, pattern=SEGMENT_PATTERN)
     # output constraints: OpenAI's response_format (vLLM takes it on completions too), vLLM's fields

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.params import SamplingParams
@@ -123,9 +123,9 @@ def completion_request(body: CompletionRequest, limits: ServerLimits, served: Se
         request.fim_suffix = body.suffix
         request.num_prompt_chars += len(body.suffix)
     if body.echo:
-        if body.logprobs is not None:
-            raise RequestError(400, "echo with logprobs would need the prompt's logprobs, which are not served",
-                               "echo", "unsupported_parameter")
+        if body.logprobs is not None:  # (the prompt's tokens are listed too: their logprobs are needed)
+            request.params = replace(request.params, prompt_logprobs=max(request.params.prompt_logprobs or 0,
+                                                                         body.logprobs))
         if body.suffix is not None:
             raise RequestError(400, "echo and suffix together are not supported", "echo", "unsupported_parameter")
         request.echo = True
@@ -245,7 +245,8 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: Serve
         raise RequestError(400, f"a stop sequence is longer than {limits.max_stop_chars} characters", "stop")
     optional = {name: getattr(body, name) for name in (
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-        "bad_words", "stop_token_ids", "include_stop_str_in_output") if getattr(body, name) is not None}
+        "bad_words", "stop_token_ids", "include_stop_str_in_output", "prompt_logprobs")
+        if getattr(body, name) is not None}
     skip_special = body.skip_special_tokens if body.skip_special_tokens is not None else not keep_special
     try:
         return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,

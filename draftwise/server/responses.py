@@ -42,11 +42,16 @@ def response_body(output: RequestOutput, request_id: str, created: int, model: s
     that were generated, best_of's too) count in the usage."""
     choices = []
     for completion in output.outputs:
-        listed = None if logprobs is None or completion.logprobs is None else logprobs.body(completion.logprobs,
-                                                                                           completion.token_ids)
+        entries, token_ids = completion.logprobs, completion.token_ids
+        if echo is not None and entries is not None and output.prompt_logprobs is not None:  # (the prompt's first)
+            entries, token_ids = output.prompt_logprobs + entries, output.prompt_token_ids + token_ids
+        listed = None if logprobs is None or entries is None else logprobs.body(entries, token_ids)
         if not chat:
-            choices.append({"index": completion.index, "text": (echo or "") + completion.text,
-                            "finish_reason": completion.finish_reason, "logprobs": listed})
+            choice = {"index": completion.index, "text": (echo or "") + completion.text,
+                      "finish_reason": completion.finish_reason, "logprobs": listed}
+            if output.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_logprobs)
+            choices.append(choice)
             continue
         message, called = answer_message(completion.text) if calls_tools else ({"role": "assistant",
                                                                                  "content": completion.text}, False)
@@ -55,6 +60,12 @@ def response_body(output: RequestOutput, request_id: str, created: int, model: s
                         "logprobs": listed})
     return {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
             "choices": choices, "usage": usage(output, samples)}
+
+
+def vllm_prompt_logprobs(entries: list) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token None (the first) or {token id: {logprob, rank}}."""
+    return [None if entry is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank} for t, lp in entry.items()}
+            for entry in entries]
 
 
 def usage(output: RequestOutput, samples: list[RequestOutput] | None = None) -> dict:

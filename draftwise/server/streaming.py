@@ -41,13 +41,17 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
     final = first
     ended = False
     calls = ToolCallStream() if chat and context.calls_tools else None
-    listed, text_offset = 0, 0  # tokens whose logprobs were sent; characters sent (completions' offsets)
+    listed, text_offset = 0, len(context.echo or "")  # tokens whose logprobs were sent; characters sent
     try:
         if chat:
             yield sse(chunk(context.request_id, context.created, context.model, chat,
                             {"role": "assistant", "content": ""}, None))
         elif context.echo:
-            yield sse(chunk(context.request_id, context.created, context.model, chat, context.echo, None))
+            prompt_listed = None
+            if context.logprobs is not None and first.prompt_logprobs is not None:  # (the prompt's tokens' first)
+                prompt_listed = context.logprobs.body(first.prompt_logprobs, first.prompt_token_ids)
+            yield sse(chunk(context.request_id, context.created, context.model, chat, context.echo, None,
+                            prompt_listed))
         output = first
         while True:
             if output.finish_reason == "error":
