@@ -433,3 +433,13 @@ def test_prefix_cache_suite_times_first_tokens_with_caching_off_and_on(settings,
     assert list(figures) == ["caching off", "caching on", "caching off (control)"]
     assert figures["caching on"]["hit_share"] > 0.5 and figures["caching off"]["hit_share"] == 0
     assert all(f["equal"] == 3 for f in figures.values())
+
+
+def test_processors_suite_compares_speculation_with_penalties_and_logprobs(settings, structured_data, fast_profiles):
+    report = run_suite("processors", replace(settings, datasets=("humaneval",), per_category=2, max_tokens=8,
+                                             configs=("draft:k=3",)))
+    summary = report.data["summary"]
+    assert list(summary) == ["plain", "draft:k=3", CONTROL]
+    assert summary["draft:k=3"]["penalties"]["equal_to_plain"] == 2
+    assert summary["draft:k=3"]["penalties"]["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert all(gap < 1e-4 for gap in report.data["logprob_differences"].values())

@@ -27,6 +27,7 @@ SUITES = {
     "structured": ("structured", "constrained plain vs constrained speculative (schemas, tool calls), batch 1 and 8"),
     "grammar-engines": ("grammar_engines", "llguidance vs xgrammar: compile time, mask time, JSON Schema coverage"),
     "prefix-cache": ("prefix_cache", "a shared system prompt with prefix caching off and on: time to first token"),
+    "processors": ("processors", "speculation with penalties on and off; logprobs against plain decoding's"),
 }
 
 
