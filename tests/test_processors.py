@@ -16,8 +16,8 @@ from draftwise.errors import InvalidParameterError
 from draftwise.sampling.processors import RowHistory, bad_word_ids, process_positions
 from draftwise.sampling.sampler import SamplingBatch, sampling_probs
 from tests.drafting import assert_drafted
-from tests.test_speculative_sampling import ALPHA, chi_square
-from tests.test_structured_sampling import close_draft, one_thread  # noqa: F401 (fixtures)
+from tests.marginals import chain_rule_marginals, sampled_positions_that_fail
+from tests.test_speculative_sampling import close_draft, one_thread  # noqa: F401 (fixtures)
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(", "import numpy as np\n",
            "x = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np."]  # (prompt lookup drafts here)
@@ -173,52 +173,21 @@ def processed_marginals(llm: LLM, params: SamplingParams) -> list[dict[int, floa
     prompt = tokenizer.encode(PROMPT)
     bad = bad_word_ids(params.bad_words or [], lambda text: tokenizer.encode_batch([text])[0])
     end_ids = set(tokenizer.eos_token_ids) if not params.ignore_eos else set()
-    prefixes = {(): 1.0}
-    marginals = []
-    for _ in range(NUM_POSITIONS):
-        keys = list(prefixes)
-        tokens = torch.tensor([prompt + list(key) for key in keys])
-        with torch.no_grad():
-            logits = llm.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))[:, -1].float()
+
+    def processed(logits: torch.Tensor, keys: list) -> torch.Tensor:
         logits = torch.stack([naive(row, params, prompt, list(key), end_ids, bad) for row, key in zip(logits, keys)])
         batch = SamplingBatch.build([params] * len(keys), [None] * len(keys), logits.shape[-1], logits.device)
-        probs = sampling_probs(logits, batch).double()
-        marginal: Counter = Counter()
-        following = {}
-        for key, row in zip(keys, probs):
-            for token in row.nonzero().flatten().tolist():
-                mass = prefixes[key] * float(row[token])
-                marginal[token] += mass
-                following[key + (token,)] = mass
-        prefixes = following
-        marginals.append(dict(marginal))
-    return marginals
+        return sampling_probs(logits, batch)
+
+    return chain_rule_marginals(llm, prompt, NUM_POSITIONS, processed)
 
 
 def test_speculative_sampling_with_processors_follows_the_processed_target(tiny_qwen, close_draft):
     llm = LLM(str(tiny_qwen), max_model_len=64, max_num_seqs=16, progress=False,
               speculative={"method": "draft", "model": str(close_draft), "num_speculative_tokens": 3,
                            "adaptive": False})
-    torch.manual_seed(0)
-    setting_of = {llm.add_request(PROMPT, SETTINGS[i % 2]): i % 2 for i in range(2 * REQUESTS_PER_SETTING)}
-    outputs: list[list[list[int]]] = [[], []]
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                outputs[setting_of[output.request_id]].append(output.token_ids)
-    metrics = llm.spec_metrics
-    assert metrics.num_draft_tokens > 0 and 0.05 < metrics.acceptance_rate < 0.95, metrics.summary()
-    failures, report = [], []
-    for setting, params in enumerate(SETTINGS):
-        assert all(len(ids) == NUM_POSITIONS for ids in outputs[setting])
-        for position, expected in enumerate(processed_marginals(llm, params)):
-            observed = Counter(ids[position] for ids in outputs[setting])
-            statistic, dof, p_value = chi_square(observed, expected, len(outputs[setting]))
-            report.append(f"setting {setting}, token {position + 1}: chi2 {statistic:.1f}, df {dof}, p {p_value:.2g}")
-            if p_value < ALPHA:
-                failures.append(report[-1])
-    print("\n".join([metrics.summary(), *report]))
-    assert not failures
+    assert not sampled_positions_that_fail(llm, PROMPT, SETTINGS, REQUESTS_PER_SETTING, NUM_POSITIONS,
+                                           processed_marginals, acceptance=(0.05, 0.95))
 
 
 def test_the_target_drafting_for_itself_under_processors_accepts_everything(tiny_qwen, plain):

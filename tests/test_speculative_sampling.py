@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 
 import pytest
 import torch
@@ -42,12 +41,11 @@ from safetensors.torch import load_file, save_file
 from draftwise import LLM, SamplingParams
 from draftwise.sampling.sampler import SamplingBatch, sampling_probs
 from draftwise.text.tokenizer import Tokenizer
+from tests.marginals import ALPHA, chain_rule_marginals, chi_square, sampled_positions_that_fail  # noqa: F401
 from tests.tiny_models import write_tiny_model
 
 REQUESTS_PER_SETTING = 800
 NUM_POSITIONS = 4  # every token of a request
-MIN_EXPECTED = 5  # cells expecting fewer draws are pooled into one
-ALPHA = 1e-4  # per position and warping (24 tests in all); the seeded RNG makes a run reproducible
 SETTINGS = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=NUM_POSITIONS, ignore_eos=True),
             SamplingParams(temperature=1.3, top_k=8, top_p=0.8, max_tokens=NUM_POSITIONS, ignore_eos=True)]
 SENTENCE = "The quick brown fox jumps over the lazy dog."
@@ -103,76 +101,19 @@ def copying_target(tmp_path_factory):
 
 def exact_marginals(llm: LLM, prompt: str, params: SamplingParams, num_positions: int) -> list[dict[int, float]]:
     """P(token at position j) for j = 1..num_positions, from the target alone by the chain rule."""
-    prompt_ids = llm.tokenizer.encode(prompt)
-    prefixes = {(): 1.0}  # tokens generated so far -> their probability
-    marginals = []
-    for _ in range(num_positions):
-        keys = list(prefixes)
-        tokens = torch.tensor([prompt_ids + list(key) for key in keys])  # [P, S]
-        with torch.no_grad():
-            logits = llm.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))[:, -1].float()  # [P, V]
+    def warped(logits: torch.Tensor, keys: list) -> torch.Tensor:
         batch = SamplingBatch.build([params] * len(keys), [None] * len(keys), logits.shape[-1], logits.device)
-        probs = sampling_probs(logits, batch).double()
-        marginal: Counter = Counter()
-        following = {}
-        for key, row in zip(keys, probs):
-            for token in row.nonzero().flatten().tolist():
-                mass = prefixes[key] * float(row[token])
-                marginal[token] += mass
-                following[key + (token,)] = mass
-        prefixes = following
-        marginals.append(dict(marginal))
-    return marginals
+        return sampling_probs(logits, batch)
 
-
-def chi_square(observed: Counter, expected_probs: dict[int, float], total: int) -> tuple[float, int, float]:
-    """Pearson's statistic, degrees of freedom and p-value. Cells expecting fewer than MIN_EXPECTED
-    draws are pooled, together with every token the target cannot emit (a draw of one of those
-    makes the statistic huge)."""
-    cells = [(observed.get(token, 0), p * total) for token, p in expected_probs.items() if p * total >= MIN_EXPECTED]
-    rest_observed = total - sum(o for o, _ in cells)
-    rest_expected = total - sum(e for _, e in cells)
-    if rest_expected > 1e-9 or rest_observed:
-        cells.append((rest_observed, max(rest_expected, 1e-9)))
-    statistic = sum((o - e) ** 2 / e for o, e in cells)
-    dof = len(cells) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                            torch.tensor(statistic / 2, dtype=torch.float64)))
-    return statistic, dof, p_value
-
-
-def sample_outputs(llm: LLM, prompt: str, num_requests: int) -> list[list[list[int]]]:
-    """Token ids of num_requests unseeded requests per setting, interleaved and added at once,
-    so that each decode step runs up to max_num_seqs rows of both settings."""
-    torch.manual_seed(0)
-    setting_of = {llm.add_request(prompt, SETTINGS[i % len(SETTINGS)]): i % len(SETTINGS)
-                  for i in range(num_requests * len(SETTINGS))}
-    outputs: list[list[list[int]]] = [[] for _ in SETTINGS]
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                outputs[setting_of[output.request_id]].append(output.token_ids)
-    return outputs
+    return chain_rule_marginals(llm, llm.tokenizer.encode(prompt), num_positions, warped)
 
 
 def failed_positions(llm: LLM, prompt: str, num_requests: int = REQUESTS_PER_SETTING) -> list[str]:
     """Sample through the engine and test every position of every setting; returns the failures.
-    Asserts that drafts were both accepted and rejected, else the residual or the accepted path
-    would go untested."""
-    outputs = sample_outputs(llm, prompt, num_requests)
-    metrics = llm.spec_metrics
-    assert metrics.num_draft_tokens > 0 and 0.1 < metrics.acceptance_rate < 0.9, metrics.summary()
-    failures, report = [], []
-    for setting, params in enumerate(SETTINGS):
-        assert all(len(ids) == NUM_POSITIONS for ids in outputs[setting])
-        for position, expected in enumerate(exact_marginals(llm, prompt, params, NUM_POSITIONS)):
-            observed = Counter(ids[position] for ids in outputs[setting])
-            statistic, dof, p_value = chi_square(observed, expected, len(outputs[setting]))
-            report.append(f"setting {setting}, token {position + 1}: chi2 {statistic:.1f}, df {dof}, p {p_value:.2g}")
-            if p_value < ALPHA:
-                failures.append(report[-1])
-    print("\n".join([metrics.summary(), *report]))
-    return failures
+    Drafts must be both accepted and rejected, else the residual or the accepted path would go untested."""
+    return sampled_positions_that_fail(llm, prompt, SETTINGS, num_requests, NUM_POSITIONS,
+                                       lambda llm, params: exact_marginals(llm, prompt, params, NUM_POSITIONS),
+                                       acceptance=(0.1, 0.9))
 
 
 @pytest.mark.parametrize("draft_probability, branches", [(1.0, 1), (0.5, 1), (1.0, 3), (0.5, 2)])

@@ -18,19 +18,17 @@ a digit), so a mask taken from the wrong position shows.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import llguidance
 import llguidance.torch
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from draftwise import LLM, SamplingParams, StructuredOutputsParams
 from draftwise.sampling.sampler import SamplingBatch, sampling_probs
 from draftwise.structured.grammars import grammar_definition
 from draftwise.structured.masks import allowed_tokens
-from tests.test_speculative_sampling import ALPHA, chi_square, save_model
+from tests.marginals import chain_rule_marginals, sampled_positions_that_fail
+from tests.test_speculative_sampling import close_draft  # noqa: F401 (a fixture)
 
 REQUESTS_PER_SETTING = 1000
 NUM_POSITIONS = 4
@@ -59,31 +57,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def close_draft(tiny_qwen, tmp_path_factory):
-    """tiny_qwen with noise on its LM head (its drafts are accepted about half the time)."""
-    weights = load_file(str(tiny_qwen / "model.safetensors"))
-    noise = torch.randn(weights["lm_head.weight"].shape, generator=torch.Generator().manual_seed(0))
-    weights["lm_head.weight"] = weights["lm_head.weight"] + 0.1 * noise
-    folder = tmp_path_factory.mktemp("close_draft_structured")
-    save_model(weights, tiny_qwen, folder)
-    return folder
-
-
 def masked_marginals(llm: LLM, params: SamplingParams) -> list[dict[int, float]]:
-    """P(token at position j) for j = 1..NUM_POSITIONS under the grammar, by the chain rule."""
+    """P(token at position j) for j = 1..NUM_POSITIONS under the grammar, by the chain rule, each
+    factor masked by a matcher of the test's own advanced over the prefix."""
     vocab = llm.model.config.vocab_size
     tokenizer = llguidance.LLTokenizer(llm.tokenizer.path.read_text(), n_vocab=vocab,
                                        eos_token=sorted(llm.tokenizer.eos_token_ids))
     definition = grammar_definition(params.structured_outputs)
-    prompt_ids = llm.tokenizer.encode(PROMPT)
-    prefixes = {(): 1.0}
-    marginals = []
-    for _ in range(NUM_POSITIONS):
-        keys = list(prefixes)
-        tokens = torch.tensor([prompt_ids + list(key) for key in keys])  # [P, S]
-        with torch.no_grad():
-            logits = llm.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))[:, -1].float()  # [P, V]
+
+    def masked(logits: torch.Tensor, keys: list) -> torch.Tensor:
         bitmask = llguidance.torch.allocate_token_bitmask(len(keys), vocab)
         for row, key in enumerate(keys):
             matcher = llguidance.LLMatcher(tokenizer, definition)
@@ -91,44 +73,14 @@ def masked_marginals(llm: LLM, params: SamplingParams) -> list[dict[int, float]]
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
         logits = logits.masked_fill(~allowed_tokens(bitmask, vocab), float("-inf"))
         batch = SamplingBatch.build([params] * len(keys), [None] * len(keys), vocab, logits.device)
-        probs = sampling_probs(logits, batch).double()
-        marginal: Counter = Counter()
-        following = {}
-        for key, row in zip(keys, probs):
-            for token in row.nonzero().flatten().tolist():
-                mass = prefixes[key] * float(row[token])
-                marginal[token] += mass
-                following[key + (token,)] = mass
-        prefixes = following
-        marginals.append(dict(marginal))
-    return marginals
+        return sampling_probs(logits, batch)
+
+    return chain_rule_marginals(llm, llm.tokenizer.encode(PROMPT), NUM_POSITIONS, masked)
 
 
 def failed_positions(llm: LLM, constraint: StructuredOutputsParams, min_acceptance: float = 0.05) -> list[str]:
-    """Sample through the engine and test every position of both warpings; returns the failures.
-    Drafts must have been rejected (and, above min_acceptance, accepted), else the residual or the
-    accepted path would go untested."""
-    torch.manual_seed(0)
-    warpings = settings(constraint)
-    setting_of = {llm.add_request(PROMPT, warpings[i % 2]): i % 2 for i in range(2 * REQUESTS_PER_SETTING)}
-    outputs: list[list[list[int]]] = [[], []]
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                outputs[setting_of[output.request_id]].append(output.token_ids)
-    metrics = llm.spec_metrics
-    assert metrics.num_draft_tokens > 0 and min_acceptance <= metrics.acceptance_rate < 0.95, metrics.summary()
-    failures, report = [], []
-    for setting, params in enumerate(warpings):
-        assert all(len(ids) == NUM_POSITIONS for ids in outputs[setting])
-        for position, expected in enumerate(masked_marginals(llm, params)):
-            observed = Counter(ids[position] for ids in outputs[setting])
-            statistic, dof, p_value = chi_square(observed, expected, len(outputs[setting]))
-            report.append(f"setting {setting}, token {position + 1}: chi2 {statistic:.1f}, df {dof}, p {p_value:.2g}")
-            if p_value < ALPHA:
-                failures.append(report[-1])
-    print("\n".join([metrics.summary(), *report]))
-    return failures
+    return sampled_positions_that_fail(llm, PROMPT, settings(constraint), REQUESTS_PER_SETTING, NUM_POSITIONS,
+                                       masked_marginals, acceptance=(min_acceptance, 0.95))
 
 
 @pytest.fixture
