@@ -43,3 +43,17 @@ def assert_constrained_equal(llm, plain, prompts: list[str], accepted: bool = Tr
     batched = llm.generate(prompts, params)
     assert [o.token_ids for o in solo] == expected and [o.token_ids for o in batched] == expected
     assert_drafted(solo + batched, accepted=accepted)
+
+
+# Drafters every feature that changes what a position's logits are (grammars, processors, logprobs)
+# is checked against: the target drafting for itself (everything accepted), a random model (nothing
+# accepted), the target's trees, prompt lookup, suffix decoding, layer skip. (target, draft) -> spec.
+DRAFTERS = {
+    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
+    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=3),
+    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
+                                                    draft_branches=2),
+    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
+    "suffix": lambda target, draft: dict(method="suffix", num_speculative_tokens=4),
+    "layer_skip": lambda target, draft: dict(method="layer_skip", num_layers=1, num_speculative_tokens=3),
+}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftwise import LLM, SamplingParams
-from tests.drafting import assert_drafted
+from tests.drafting import DRAFTERS as DRAFTERS_ALL, assert_drafted
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print("]
 
@@ -36,13 +36,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_generated_position(plain):
     assert output.outputs[0].logprobs == output.logprobs
 
 
-DRAFTERS = {
-    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
-    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=3),
-    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
-                                                    draft_branches=2),
-    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
-}
+DRAFTERS = {name: DRAFTERS_ALL[name] for name in ("draft=target", "random draft", "draft=target tree", "ngram")}
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))

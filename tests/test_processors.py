@@ -15,7 +15,7 @@ from draftwise import LLM, SamplingParams
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.processors import RowHistory, bad_word_ids, process_positions
 from draftwise.sampling.sampler import SamplingBatch, sampling_probs
-from tests.drafting import assert_drafted
+from tests.drafting import DRAFTERS as DRAFTERS_ALL, assert_drafted
 from tests.marginals import chain_rule_marginals, sampled_positions_that_fail
 from tests.test_speculative_sampling import close_draft, one_thread  # noqa: F401 (fixtures)
 
@@ -101,13 +101,7 @@ PROCESSORS = {
     "all": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={40: 3.0},
                 min_tokens=4, bad_words=["quick"]),
 }
-DRAFTERS = {
-    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
-    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=3),
-    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
-                                                    draft_branches=2),
-    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
-}
+DRAFTERS = {name: DRAFTERS_ALL[name] for name in ("draft=target", "random draft", "draft=target tree", "ngram")}
 
 
 def sampling(name: str) -> SamplingParams:

@@ -18,7 +18,7 @@ from draftwise import LLM, SamplingParams, StructuredOutputsParams
 from draftwise.errors import InvalidParameterError
 from draftwise.structured.grammars import grammar_definition
 from draftwise.structured.masks import allowed_tokens, fill_masks
-from tests.drafting import assert_drafted, spec_totals
+from tests.drafting import DRAFTERS, assert_drafted, spec_totals
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -194,15 +194,6 @@ def test_free_and_constrained_requests_share_a_batch(plain):
 
 
 # --- speculation under a grammar ----------------------------------------------------------------
-DRAFTERS = {
-    "draft=target": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4),
-    "random draft": lambda target, draft: dict(method="draft", model=str(draft), num_speculative_tokens=4),
-    "draft=target tree": lambda target, draft: dict(method="draft", model=str(target), num_speculative_tokens=4,
-                                                    draft_branches=2),
-    "ngram": lambda target, draft: dict(method="ngram", num_speculative_tokens=4),
-    "suffix": lambda target, draft: dict(method="suffix", num_speculative_tokens=4),
-    "layer_skip": lambda target, draft: dict(method="layer_skip", num_layers=1, num_speculative_tokens=3),
-}
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

@@ -28,7 +28,7 @@ from draftwise.sampling.sampler import SamplingBatch, sampling_probs
 from draftwise.structured.grammars import grammar_definition
 from draftwise.structured.masks import allowed_tokens
 from tests.marginals import chain_rule_marginals, sampled_positions_that_fail
-from tests.test_speculative_sampling import close_draft  # noqa: F401 (a fixture)
+from tests.test_speculative_sampling import close_draft, one_thread  # noqa: F401 (fixtures)
 
 REQUESTS_PER_SETTING = 1000
 NUM_POSITIONS = 4
@@ -47,14 +47,6 @@ def settings(constraint: StructuredOutputsParams) -> list[SamplingParams]:
             SamplingParams(temperature=1.3, top_k=8, top_p=0.8, max_tokens=NUM_POSITIONS,
                            structured_outputs=constraint)]
 PROMPT = "The quick brown fox"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def masked_marginals(llm: LLM, params: SamplingParams) -> list[dict[int, float]]:
