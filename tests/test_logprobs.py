@@ -174,3 +174,25 @@ def test_echo_with_logprobs_lists_the_prompt_first(server):
                                                      temperature=0, max_tokens=4, stream=True) if c.choices]
     values = [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert values == choice.logprobs.token_logprobs
+
+
+def test_n_choices_stream_side_by_side(server):
+    client = server.client()
+    fields = dict(model="tiny", prompt="def add(a, b):", temperature=1.0, seed=5, n=3, max_tokens=8, logprobs=0)
+    whole = client.completions.create(**fields)
+    texts, reasons, logprobs = {}, {}, {}
+    for chunk in client.completions.create(**fields, stream=True, stream_options={"include_usage": True}):
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        logprobs.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs if choice.logprobs else [])
+        if choice.finish_reason:
+            reasons[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+    assert [logprobs[i] for i in range(3)] == [c.logprobs.token_logprobs for c in whole.choices]
+    assert set(reasons) == {0, 1, 2} and usage.completion_tokens == whole.usage.completion_tokens
+    chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                               temperature=1.0, seed=2, max_tokens=5, stream=True))
+    assert {c.choices[0].index for c in chat if c.choices} == {0, 1}

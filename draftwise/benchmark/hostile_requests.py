@@ -92,7 +92,7 @@ def catalogue(model: str, max_request_bytes: int) -> list[Hostile]:
         Hostile("a DNS-rebinding Host", 400, "not allowed", json=completion(), headers={"host": "evil.example"}),
         Hostile("an image part", 400, "image_url", path="/v1/chat/completions", json=chat(messages=[image])),
         Hostile("best_of below n", 400, "best_of", json=completion(n=3, best_of=2)),
-        Hostile("n above 1 streamed", 400, "stream", json=completion(n=2, stream=True), param="stream"),
+        Hostile("best_of streamed", 400, "best_of", json=completion(n=1, best_of=2, stream=True), param="best_of"),
         Hostile("prompt_logprobs past 20", 400, "prompt_logprobs", json=completion(prompt_logprobs=50)),
         Hostile("a penalty out of range", 400, "presence_penalty", json=completion(presence_penalty=5.0)),
         Hostile("a logit bias past the vocabulary", 400, "logit_bias", json=completion(logit_bias={"99999999": 5})),

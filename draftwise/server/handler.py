@@ -56,7 +56,7 @@ class RequestHandler:
                                 self.metrics.segment(body.segment), engine_request.method, engine_request.calls_tools,
                                 logprobs, echo)
         if body.stream:
-            return StreamingResponse(stream_events(first, outputs, context, self.metrics),
+            return StreamingResponse(stream_events([first], [outputs], context, self.metrics),
                                      media_type="text/event-stream")
         final = await self._last_output(request, first, outputs)
         if final.finish_reason == "error":
@@ -69,13 +69,23 @@ class RequestHandler:
     async def _run_samples(self, request: Request, body: SamplingFields, engine_request: EngineRequest,
                            prompt: dict) -> JSONResponse:
         """n > 1 or best_of: each sample a request of its own (sharing the prompt's KV blocks through the
-        prefix cache), gathered into one answer."""
-        if body.stream:
-            raise RequestError(400, "n or best_of above 1 are served without stream (send stream: false)",
-                               "stream", "unsupported_parameter")
+        prefix cache), gathered into one answer, or streamed side by side (n choices, each chunk
+        naming its index; best_of cannot stream: the best are known only at the end)."""
         params = engine_request.params
+        if body.stream and sample_count(params) > params.n:
+            raise RequestError(400, "best_of above n cannot stream (the best samples are known only when all "
+                               "have finished)", "best_of", "unsupported_parameter")
         streams = [self.engine.generate(prompt, sample, **engine_request.options) for sample in per_sample(params)]
         firsts = [await self._first_output(stream) for stream in streams]
+        echo = (prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])) \
+            if engine_request.echo else None
+        prefix = "chatcmpl" if engine_request.chat else "cmpl"
+        if body.stream:
+            context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
+                                    self.metrics.segment(body.segment), engine_request.method,
+                                    engine_request.calls_tools, self._logprobs_format(engine_request), echo)
+            return StreamingResponse(stream_events(firsts, streams, context, self.metrics),
+                                     media_type="text/event-stream")
         finals = await asyncio.gather(*(self._last_output(request, first, stream)
                                         for first, stream in zip(firsts, streams)))
         failed = next((final for final in finals if final.finish_reason == "error"), None)
@@ -86,9 +96,6 @@ class RequestHandler:
         for final in finals:
             self.metrics.observe_finished(final, segment, engine_request.method)
         output = gathered(list(finals), params)
-        echo = (prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])) \
-            if engine_request.echo else None
-        prefix = "chatcmpl" if engine_request.chat else "cmpl"
         return JSONResponse(response_body(output, new_id(prefix), now(), self.model_name, engine_request.chat,
                                           engine_request.calls_tools, self._logprobs_format(engine_request), echo,
                                           samples=list(finals)))

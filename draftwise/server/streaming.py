@@ -1,22 +1,25 @@
 """One streamed response: server-sent events from a request's outputs, always ending in `[DONE]`.
 
-A request that fails while running, or a server that stops before it finishes, ends the stream
-with an OpenAI-shaped error event (`data: {"error": {...}}`) and then `[DONE]`, never a silent
-cut. A client that goes away has its request aborted (closing the output iterator does that).
+A request of several samples (n > 1) streams them side by side, each chunk naming its choice's
+`index`, the outputs taken as they come. A request that fails while running, or a server that stops
+before it finishes, ends the stream with an OpenAI-shaped error event (`data: {"error": {...}}`) and
+then `[DONE]`, never a silent cut. A client that goes away has its requests aborted (closing the
+output iterators does that).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from draftwise.engine.outputs import RequestOutput
 from draftwise.server.async_engine import EngineStopped
+from draftwise.server.logprobs import LogprobsFormat
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import error_body
 from draftwise.server.responses import DONE, chunk, object_name, sse, usage
-from draftwise.server.logprobs import LogprobsFormat
 from draftwise.server.tools import ToolCallStream
 
 
@@ -34,28 +37,74 @@ class StreamContext:
     echo: str | None = None  # a completion's prompt text, streamed first
 
 
-async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutput], context: StreamContext,
-                        metrics: ServerMetrics) -> AsyncIterator[str]:
-    chat = context.chat
+class ChoiceStream:
+    """One choice's chunks: its text (or tool calls) and logprobs as they come, then its finish."""
+
+    def __init__(self, index: int, context: StreamContext) -> None:
+        self.index, self.context = index, context
+        self.calls = ToolCallStream() if context.chat and context.calls_tools else None
+        self.listed = 0  # tokens whose logprobs were sent
+        self.text_offset = len(context.echo or "")  # characters sent (completions' text_offset)
+
+    def opening(self, first: RequestOutput) -> list[dict]:
+        """The chunk before any token: chat's role; a completion's echoed prompt (and its logprobs)."""
+        context = self.context
+        if context.chat:
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if context.echo:
+            listed = None
+            if context.logprobs is not None and first.prompt_logprobs is not None:
+                listed = context.logprobs.body(first.prompt_logprobs, first.prompt_token_ids)
+            return [self._chunk(context.echo, logprobs=listed)]
+        return []
+
+    def chunks(self, output: RequestOutput) -> list[dict]:
+        context, chat = self.context, self.context.chat
+        if not (output.delta or output.finished):
+            return []
+        if self.calls is not None:
+            deltas = self.calls.feed(output.delta, output.finished)
+        else:
+            deltas = [{"content": output.delta} if chat else output.delta] if output.delta else []
+        logprobs = None
+        if context.logprobs is not None and output.logprobs is not None and len(output.token_ids) > self.listed:
+            logprobs = context.logprobs.body(output.logprobs[self.listed:], output.token_ids[self.listed:],
+                                             self.text_offset)
+            self.listed = len(output.token_ids)
+            deltas = deltas or [{} if chat else ""]  # (a chunk of its own for tokens whose text is held back)
+        out = [self._chunk(content, logprobs=logprobs if i == 0 else None) for i, content in enumerate(deltas)]
+        self.text_offset += len(output.delta)
+        if output.finished:
+            reason = output.finish_reason
+            if self.calls is not None and self.calls.called and reason == "stop":
+                reason = "tool_calls"
+            out.append(self._chunk({} if chat else "", reason))
+        return out
+
+    def _chunk(self, content, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        context = self.context
+        body = chunk(context.request_id, context.created, context.model, context.chat, content, finish_reason,
+                     logprobs)
+        body["choices"][0]["index"] = self.index
+        return body
+
+
+async def stream_events(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]],
+                        context: StreamContext, metrics: ServerMetrics) -> AsyncIterator[str]:
+    """The events of a request's samples (one, or n side by side), their outputs as they come."""
+    choices = [ChoiceStream(i, context) for i in range(len(firsts))]
+    finals = list(firsts)
     last_time = time.perf_counter()
-    final = first
     ended = False
-    calls = ToolCallStream() if chat and context.calls_tools else None
-    listed, text_offset = 0, len(context.echo or "")  # tokens whose logprobs were sent; characters sent
+    merged = _merged(streams, firsts)
     try:
-        if chat:
-            yield sse(chunk(context.request_id, context.created, context.model, chat,
-                            {"role": "assistant", "content": ""}, None))
-        elif context.echo:
-            prompt_listed = None
-            if context.logprobs is not None and first.prompt_logprobs is not None:  # (the prompt's tokens' first)
-                prompt_listed = context.logprobs.body(first.prompt_logprobs, first.prompt_token_ids)
-            yield sse(chunk(context.request_id, context.created, context.model, chat, context.echo, None,
-                            prompt_listed))
-        output = first
-        while True:
+        for choice, first in zip(choices, firsts):
+            for body in choice.opening(first):
+                yield sse(body)
+        async for index, output in merged:
+            finals[index] = output
             if output.finish_reason == "error":
-                final, ended = output, True
+                ended = True
                 yield sse(error_body(output.error or "the request failed", "server_error",
                                      code=output.error_reason or "engine_error"))
                 yield DONE
@@ -64,33 +113,12 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
                 now_time = time.perf_counter()
                 metrics.observe_tokens(output.num_new_tokens, now_time - last_time)
                 last_time = now_time
-                if calls is not None:
-                    deltas = calls.feed(output.delta, output.finished)
-                else:
-                    deltas = [{"content": output.delta} if chat else output.delta] if output.delta else []
-                logprobs = None
-                if context.logprobs is not None and output.logprobs is not None and len(output.token_ids) > listed:
-                    logprobs = context.logprobs.body(output.logprobs[listed:], output.token_ids[listed:], text_offset)
-                    listed = len(output.token_ids)
-                    if not deltas:
-                        deltas = [{} if chat else ""]  # (a chunk of its own for tokens whose text is held back)
-                for i, content in enumerate(deltas):
-                    yield sse(chunk(context.request_id, context.created, context.model, chat, content, None,
-                                    logprobs if i == 0 else None))
-                text_offset += len(output.delta)
-                if output.finished:
-                    reason = output.finish_reason
-                    if calls is not None and calls.called and reason == "stop":
-                        reason = "tool_calls"
-                    yield sse(chunk(context.request_id, context.created, context.model, chat, {} if chat else "",
-                                    reason))
-            final = output
-            if output.finished:
-                break
-            output = await anext(outputs)
+            for body in choices[index].chunks(output):
+                yield sse(body)
         if context.include_usage:
-            yield sse({"id": context.request_id, "object": object_name(chat, True), "created": context.created,
-                       "model": context.model, "choices": [], "usage": usage(final)})
+            yield sse({"id": context.request_id, "object": object_name(context.chat, True),
+                       "created": context.created, "model": context.model, "choices": [],
+                       "usage": usage(finals[0], finals if len(finals) > 1 else None)})
         ended = True
         yield DONE
     except EngineStopped as error:
@@ -99,8 +127,50 @@ async def stream_events(first: RequestOutput, outputs: AsyncIterator[RequestOutp
         yield sse(error_body(str(error), "server_error", code="server_shutting_down"))
         yield DONE
     finally:
-        await outputs.aclose()  # a client gone mid-stream aborts its request here
-        if final.finished:
-            metrics.observe_finished(final, context.segment, context.method)
-        elif not ended:
-            metrics.observe_aborted("client_disconnected")
+        await merged.aclose()
+        for stream in streams:
+            await stream.aclose()  # a client gone mid-stream aborts its requests here
+        for final in finals:
+            if final.finished:
+                metrics.observe_finished(final, context.segment, context.method)
+            elif not ended:
+                metrics.observe_aborted("client_disconnected")
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]],
+                  firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(sample index, output) from every stream as they come, each starting with its first output,
+    until every sample has finished (or one failed)."""
+    if len(streams) == 1:  # (the common case, without tasks)
+        output = firsts[0]
+        yield 0, output
+        while not output.finished:
+            output = await anext(streams[0])
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput], output: RequestOutput) -> None:
+        try:
+            await queue.put((index, output))
+            while not output.finished:
+                output = await anext(stream)
+                await queue.put((index, output))
+        except Exception as error:  # (handed to the consumer, which raises it)
+            await queue.put((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    try:
+        open_samples = len(streams)
+        while open_samples:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+            if item.finished:
+                open_samples -= 1
+                if item.finish_reason == "error":
+                    return
+    finally:
+        for task in tasks:
+            task.cancel()
