@@ -51,14 +51,14 @@ def train_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) 
 
 def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
                      num_layers: int = 2, residual_scale: float = 1.0, hidden_size: int = 64,
-                     tools: bool = False) -> Path:
+                     tools: bool = False, rope_scaling: dict | None = None) -> Path:
     """A random model saved as config.json + model.safetensors + tokenizer files.
 
     residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
     depends mostly on the current one: greedy decoding then soon repeats itself (like real text
     often does), which gives prompt lookup something to find.
     tools: `<tool_call>` and `</tool_call>` (and fill-in-the-middle's markers) are special tokens and
-    the chat template renders tools.
+    the chat template renders tools. rope_scaling: transformers' RoPE scaling dict for the config.
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -69,6 +69,7 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=2048 if tools else 512,  # (a tools prompt is long in a 320-token vocabulary)
         rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tie, initializer_range=0.2,
+        **({"rope_scaling": rope_scaling} if rope_scaling else {}),
     )
     torch.manual_seed(seed)
     if model_type == "qwen2":
@@ -117,7 +118,8 @@ def encode_q4k(weight: np.ndarray) -> np.ndarray:
 
 
 def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False,
-                    q4k_except: tuple[str, ...] = (), chat_template: str | None = CHAT_TEMPLATE) -> Path:
+                    q4k_except: tuple[str, ...] = (), chat_template: str | None = CHAT_TEMPLATE,
+                    metadata: dict | None = None, extra_tensors: dict | None = None) -> Path:
     """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out.
 
     q4k_except: weight names containing one of these stay out of Q4_K (Q8_0 if quantize_q8), the
@@ -156,6 +158,10 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
     writer.add_bos_token_id(dict(ordered)["<|endoftext|>"])
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():  # e.g. {"rope.scaling.type": "yarn"} under the architecture
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{arch}.{key}", value)
+    for gguf_name, array in (extra_tensors or {}).items():  # e.g. rope_freqs.weight
+        writer.add_tensor(gguf_name, np.asarray(array, dtype=np.float32))
     for name, array in tensors.items():
         short = name.removeprefix("model.")
         if name in to_gguf:

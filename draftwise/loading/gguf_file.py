@@ -11,6 +11,7 @@ import numpy as np
 
 from draftwise.errors import ModelFormatError, ModelNotFoundError
 from draftwise.model.config import ModelConfig
+from draftwise.model.rope import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -118,8 +119,6 @@ class GGUFFile:
                 raise ModelFormatError(f"{self.path}: metadata {arch}.{key} is missing")
             return value
 
-        if "rope_freqs.weight" in names or meta.get(f"{arch}.rope.scaling.type") not in (None, "none"):
-            raise ModelFormatError(f"{self.path}: RoPE scaling is not supported yet")
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         return ModelConfig(
@@ -136,7 +135,26 @@ class GGUFFile:
             max_position_embeddings=int(get("context_length", 4096)),
             attention_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
+            rope_scaling=self._rope_scaling(names),
         )
+
+    def _rope_scaling(self, names: set[str]) -> RopeScaling | None:
+        """llama.cpp's RoPE scaling: `rope.scaling.*` metadata (linear, yarn), or a `rope_freqs` tensor
+        of per-pair factors (Llama 3.1+'s, computed by the converter)."""
+        arch, meta = self.architecture, self.metadata
+        kind = meta.get(f"{arch}.rope.scaling.type")
+        if "rope_freqs.weight" in names:
+            if kind not in (None, "none"):
+                raise ModelFormatError(f"{self.path}: both rope_freqs and RoPE scaling {kind!r}: which applies?")
+            tensor = next(t for t in self._reader.tensors if t.name == "rope_freqs.weight")
+            return RopeScaling("llama3", freq_factors=tuple(float(f) for f in np.asarray(tensor.data, np.float32)))
+        if kind in (None, "none"):
+            return None
+        rope = {"rope_type": kind, "factor": meta.get(f"{arch}.rope.scaling.factor"),
+                "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")}
+        if meta.get(f"{arch}.rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
+        return RopeScaling.from_hf(rope, int(meta.get(f"{arch}.context_length", 4096)), str(self.path))
 
     @property
     def num_tensors(self) -> int:
@@ -150,6 +168,8 @@ class GGUFFile:
         from draftwise.quant.q4k import q4k_to_groups
 
         for tensor in self._reader.tensors:
+            if tensor.name == "rope_freqs.weight":  # (read into the config: `_rope_scaling`)
+                continue
             name = hf_tensor_name(tensor.name)
             if name is None:
                 raise ModelFormatError(f"{self.path}: unexpected tensor {tensor.name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftwise.errors import ModelFormatError
+from draftwise.model.rope import RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -24,6 +25,7 @@ class ModelConfig:
     max_position_embeddings: int
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2 does)
     tie_word_embeddings: bool  # LM head shares the token embedding matrix
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (`model/rope.py`)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -45,8 +47,8 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             # transformers >= 5 writes rope_parameters; older files rope_theta and rope_scaling.
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-                raise ModelFormatError(f"{source}: RoPE scaling {rope} is not supported yet")
+            max_positions = int(cfg.get("max_position_embeddings", 4096))
+            scaling = RopeScaling.from_hf(rope, max_positions, source)
             rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
             return cls(
                 model_type=model_type,
@@ -59,9 +61,10 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_positions,
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                rope_scaling=None if scaling.rope_type == "default" else scaling,
             )
         except KeyError as missing:
             raise ModelFormatError(f"{source}: required field {missing} is missing") from None
@@ -83,4 +86,5 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
+            **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling is not None else {}),
         }

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model import native_layer_ops, triton_rmsnorm
+from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -29,12 +30,10 @@ class RMSNorm(nn.Module):
 def rotary_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, S, D] for positions [B, S] (the half-split layout of Hugging Face Llama)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)  # [D/2]
-    angles = positions[..., None].float() * inv_freq  # [B, S, D/2]
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, S, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """cos, sin [B, 1, S, D] for positions [B, S] with plain RoPE (the half-split layout of Hugging
+    Face Llama); a model's own, scaled as its config says, is `Transformer.rotary`."""
+    inv_freq, factor = inverse_frequencies(head_dim, theta, None)
+    return cos_sin(positions, inv_freq, factor, dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

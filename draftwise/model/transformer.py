@@ -12,7 +12,8 @@ from torch import nn
 
 from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
-from draftwise.model.layers import RMSNorm, SwiGLU, rotary_cos_sin
+from draftwise.model.layers import RMSNorm, SwiGLU
+from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
 class DecoderLayer(nn.Module):
@@ -38,6 +39,16 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # RoPE's inverse frequencies (on the CPU; a copy per device the positions come from)
+        self._inv_freq, self._rope_factor = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, S, D] for positions [B, S], with the model's RoPE scaling."""
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
+        return cos_sin(positions, inv_freq, self._rope_factor, dtype)
 
     def hidden_states(
         self,
@@ -54,7 +65,7 @@ class Transformer(nn.Module):
         the residual stream after each layer in `capture_layers` (0-based), also [B, S, H].
         """
         x = self.embed_tokens(token_ids)  # [B, S, H]
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, positions, cos, sin, cache)
