@@ -60,7 +60,8 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     tools: `<tool_call>` and `</tool_call>` (and fill-in-the-middle's markers) are special tokens and
     the chat template renders tools. rope_scaling: transformers' RoPE scaling dict for the config.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(extra_special=TOOL_TOKENS if tools else ())
@@ -74,6 +75,12 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     torch.manual_seed(seed)
     if model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif model_type == "mixtral":  # 4 experts, 2 a token
+        model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    elif model_type == "qwen2_moe":  # 4 experts of half width, 2 a token, a shared expert; the last layer dense
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size, norm_topk_prob=False, mlp_only_layers=[num_layers - 1]))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=False))
     with torch.no_grad():  # random biases and norms, so that every parameter matters in the comparison

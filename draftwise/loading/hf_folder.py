@@ -65,12 +65,41 @@ def _fused_state(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[
             state[dst + "self_attn.qkv_proj.bias"] = torch.cat(
                 [take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")])
         state[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        state[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")])
-        state[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight")
+        if config.is_sparse(i):
+            state.update(_expert_state(take, src, dst, config))
+        else:
+            state.update(_swiglu_state(take, src + "mlp.", dst + "mlp.", "gate_proj", "up_proj", "down_proj"))
     leftover = [name for name in tensors if not name.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ModelFormatError(f"unexpected weights in the checkpoint: {', '.join(leftover[:5])}")
+    return state
+
+
+def _checkpoint_name(name: str, config: ModelConfig) -> str:
+    """Where one of our unfused tensors sits in the checkpoint (Mixtral keeps its router elsewhere)."""
+    if config.model_type == "mixtral" and name.endswith(".mlp.gate.weight"):
+        return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    return name
+
+
+def _swiglu_state(take, src: str, dst: str, gate: str, up: str, down: str) -> dict[str, torch.Tensor]:
+    return {dst + "gate_up_proj.weight": torch.cat([take(f"{src}{gate}.weight"), take(f"{src}{up}.weight")]),
+            dst + "down_proj.weight": take(f"{src}{down}.weight")}
+
+
+def _expert_state(take, src: str, dst: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts block's weights: Mixtral's (`block_sparse_moe`, experts' w1 / w3 / w2) or
+    Qwen2-MoE's (`mlp`, gate / up / down projections, a shared expert and its gate)."""
+    if config.model_type == "mixtral":
+        block, names = src + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = src + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    state = {dst + "mlp.gate.weight": take(block + "gate.weight")}
+    for e in range(config.num_experts):
+        state.update(_swiglu_state(take, f"{block}experts.{e}.", f"{dst}mlp.experts.{e}.", *names))
+    if config.shared_expert_intermediate_size:
+        state.update(_swiglu_state(take, block + "shared_expert.", dst + "mlp.shared_expert.", *names))
+        state[dst + "mlp.shared_expert_gate.weight"] = take(block + "shared_expert_gate.weight")
     return state
 
 
@@ -110,6 +139,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         model.quantization = QuantizationReport("none")
         if mode != "none":
             model.quantization = quantize_model(model, mode, None)  # (the folder's stored groups are real weights)
+            pack_linear_layers(model)  # (the float ones left: a mixture of experts' routers)
         elif pack_cpu_weights:
             pack_linear_layers(model)
         return model
@@ -135,6 +165,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     if mode != "none":
         model.quantization = quantize_model(model, mode, folder)
         save_packed(model, model.quantization, cache_path(folder, mode))
+        pack_linear_layers(model)  # (the float ones left, a mixture of experts' routers: row-independent)
     elif pack_cpu_weights:
         pack_linear_layers(model)
     return model
@@ -151,10 +182,12 @@ def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transfor
     if report is None:
         return None
     wanted = set(model.state_dict())  # what is left once the linear layers came from the cache
-    tensors = {name: tensor.float() for name, tensor in _read_tensors(folder, only=wanted).items()}
+    stored = {_checkpoint_name(name, config): name for name in wanted}
+    tensors = {stored[name]: tensor.float() for name, tensor in _read_tensors(folder, only=set(stored)).items()}
     if wanted - set(tensors):
         raise ModelFormatError(f"{folder}: weights missing from the checkpoint: {sorted(wanted - set(tensors))[:5]}")
     model.load_state_dict(tensors, assign=True, strict=True)
     model.eval().requires_grad_(False)
     model.quantization = report
+    pack_linear_layers(model)  # (the float ones left: a mixture of experts' routers)
     return model

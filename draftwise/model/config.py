@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from draftwise.errors import ModelFormatError
 from draftwise.model.rope import RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,6 +26,19 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2 does)
     tie_word_embeddings: bool  # LM head shares the token embedding matrix
     rope_scaling: RopeScaling | None = None  # None: plain RoPE (`model/rope.py`)
+    # mixture of experts (`model/moe.py`; 0 experts: every layer dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    norm_topk_prob: bool = True  # renormalise the top k weights (Mixtral always; Qwen2-MoE as configured)
+    decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen2-MoE)
+    mlp_only_layers: tuple[int, ...] = ()  # dense layers among them (Qwen2-MoE)
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether this layer's feed-forward block is a mixture of experts."""
+        return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
+                and (layer_index + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -62,14 +75,16 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 max_position_embeddings=max_positions,
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 rope_scaling=None if scaling.rope_type == "default" else scaling,
+                **_moe_fields(cfg, model_type),
             )
         except KeyError as missing:
             raise ModelFormatError(f"{source}: required field {missing} is missing") from None
 
     def to_hf_dict(self) -> dict:
+        """config.json for a converted model (the MoE fields under Qwen2-MoE's names, which read back)."""
         return {
             "architectures": [{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
                 self.model_type, "LlamaForCausalLM")],
@@ -87,4 +102,24 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
             **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling is not None else {}),
+            **({"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers)} if self.num_experts else {}),
         }
+
+
+def _moe_fields(cfg: dict, model_type: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from a config.json (none for a dense model)."""
+    if model_type == "mixtral":
+        return {"num_experts": int(cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}
+    if model_type == "qwen2_moe" or cfg.get("num_experts"):
+        return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+                "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+                "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
+    return {}

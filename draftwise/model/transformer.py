@@ -1,4 +1,5 @@
-"""One PyTorch implementation of the Llama family (Llama, Qwen2, Mistral, SmolLM).
+"""One PyTorch implementation of the Llama family (Llama, Qwen2, Mistral, SmolLM; Mixtral and Qwen2-MoE
+with mixture-of-experts feed-forward blocks, `moe.py`).
 
 RMSNorm, rotary embedding with the file's base, grouped-query attention with optional QKV bias,
 SwiGLU MLP, tied or separate LM head. The forward pass can stop after the first L layers
@@ -13,6 +14,7 @@ from torch import nn
 from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import RMSNorm, SwiGLU
+from draftwise.model.moe import SparseMoE
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
@@ -22,7 +24,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        if config.is_sparse(layer_index):
+            self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                 config.num_experts_per_tok, config.norm_topk_prob,
+                                 config.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, positions, cos, sin, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)

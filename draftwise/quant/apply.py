@@ -61,12 +61,22 @@ def linear_sources(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
         sources[f"{attn}.qkv_proj"] = [(f"{attn}.q_proj.weight", q_rows), (f"{attn}.k_proj.weight", kv_rows),
                                        (f"{attn}.v_proj.weight", kv_rows)]
         sources[f"{attn}.o_proj"] = [(f"{attn}.o_proj.weight", config.hidden_size)]
-        sources[f"{mlp}.gate_up_proj"] = [(f"{mlp}.gate_proj.weight", config.intermediate_size),
-                                          (f"{mlp}.up_proj.weight", config.intermediate_size)]
-        sources[f"{mlp}.down_proj"] = [(f"{mlp}.down_proj.weight", config.hidden_size)]
+        if not config.is_sparse(i):
+            sources.update(_swiglu_sources(mlp, config.intermediate_size, config.hidden_size))
+            continue
+        for e in range(config.num_experts):  # (the router and the shared expert's gate stay float: small)
+            sources.update(_swiglu_sources(f"{mlp}.experts.{e}", config.moe_intermediate_size, config.hidden_size))
+        if config.shared_expert_intermediate_size:
+            sources.update(_swiglu_sources(f"{mlp}.shared_expert", config.shared_expert_intermediate_size,
+                                           config.hidden_size))
     head = "embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
     sources["lm_head"] = [(head, config.vocab_size)]
     return sources
+
+
+def _swiglu_sources(path: str, width: int, hidden: int) -> dict[str, list[tuple[str, int]]]:
+    return {f"{path}.gate_up_proj": [(f"{path}.gate_proj.weight", width), (f"{path}.up_proj.weight", width)],
+            f"{path}.down_proj": [(f"{path}.down_proj.weight", hidden)]}
 
 
 def read_q4k_groups(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

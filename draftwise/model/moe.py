@@ -1,0 +1,47 @@
+"""Mixture-of-experts feed-forward blocks (Mixtral's, Qwen2-MoE's), as transformers computes them.
+
+A router scores every expert per token; the top k are kept, their softmax weights renormalised to
+sum to one where the model says so (Mixtral always; Qwen2-MoE with `norm_topk_prob`); each chosen
+expert (a SwiGLU) runs on the tokens routed to it and its output, times its weight, is added to
+theirs. Qwen2-MoE adds a shared expert on every token, gated by sigmoid(shared_expert_gate(x)).
+
+Row independence: a token's experts depend on its own logits only, each expert's matrix products
+give a row the same bits however many rows share them (the engine's kernels), and the outputs are
+summed in expert order whatever the batch, so a token's result never depends on its neighbours:
+verifying k drafted tokens computes what k steps compute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from draftwise.model.layers import SwiGLU
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, normalize: bool,
+                 shared_expert_size: int = 0) -> None:
+        super().__init__()
+        self.top_k, self.normalize = top_k, normalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(SwiGLU(hidden_size, expert_size) for _ in range(num_experts))
+        self.shared_expert = SwiGLU(hidden_size, shared_expert_size) if shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [N, H]
+        weights = torch.softmax(self.gate(flat).float(), dim=-1)  # [N, E]
+        top_weights, top_experts = weights.topk(self.top_k, dim=-1)  # [N, k]
+        if self.normalize:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        top_weights = top_weights.to(flat.dtype)
+        out = torch.zeros_like(flat)  # [N, H]
+        for expert in top_experts.unique().tolist():  # (in expert order)
+            rows, slot = (top_experts == expert).nonzero(as_tuple=True)  # tokens routed here
+            routed = self.experts[expert](flat[rows]) * top_weights[rows, slot, None]  # [n, H]
+            out.index_add_(0, rows, routed)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(shape)

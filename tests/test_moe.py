@@ -1,0 +1,80 @@
+"""Mixture-of-experts targets (Mixtral, Qwen2-MoE) on tiny random checkpoints: logits against
+transformers, every layer's routing exercised, and the lossless suite: speculative output equal to
+plain decoding for every drafter, alone and batched, the target drafting for itself accepting
+everything, int4 and fp32, and a row's logits the same alone, in a verification and in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftwise import LLM, SamplingParams
+from draftwise.loading.hf_folder import load_model
+from draftwise.model.moe import SparseMoE
+from tests.drafting import DRAFTERS, assert_drafted
+from tests.test_model_reference import reference_logits
+from tests.tiny_models import write_tiny_model
+
+TOKENS = [[(31 * i + 7) % 300 + 3 for i in range(40)]]
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print(",
+           "x = np.zeros((3, 4))\nx = np.zeros((3, 4))\nx = np."]
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def moe_model(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=4, num_layers=2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_moe_logits_match_transformers(moe_model, packed):
+    model = load_model(moe_model, pack_cpu_weights=packed)
+    assert any(isinstance(layer.mlp, SparseMoE) for layer in model.layers)
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        got = model(tokens, torch.arange(tokens.shape[1])[None])
+    torch.testing.assert_close(got, reference_logits(moe_model, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_every_expert_is_routed_to(moe_model):
+    """(So that the comparison covers the routing, not one expert's weights.)"""
+    model = load_model(moe_model, pack_cpu_weights=False)
+    block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE))
+    hidden = model.embed_tokens(torch.tensor(TOKENS))[0]
+    with torch.no_grad():
+        chosen = torch.softmax(block.gate(hidden), -1).topk(block.top_k).indices.unique()
+    assert len(chosen) == len(block.experts)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_a_rows_logits_do_not_depend_on_its_pass(moe_model, quantization):
+    """The same token's logits alone, as the last of a 5-token verification, and beside other rows."""
+    llm = LLM(str(moe_model), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization)
+    runner, ids = llm.runner, TOKENS[0][:20]
+    alone = runner.allocate()
+    runner.forward([alone], [ids[:15]], [1])
+    for token in ids[15:19]:
+        runner.forward([alone], [[token]], [1])
+    single = runner.forward([alone], [[ids[19]]], [1]).logits[0]
+    verifying, other = runner.allocate(), runner.allocate()
+    runner.forward([verifying, other], [ids[:15], TOKENS[0][20:35]], [1, 1])
+    batched = runner.forward([verifying, other], [ids[15:20], TOKENS[0][35:40]], [5, 5]).logits[4]
+    assert torch.equal(single, batched)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("drafter", ["draft=target", "random draft", "ngram", "suffix"])
+def test_speculation_on_a_moe_target_equals_plain(moe_model, drafter, quantization, random_draft, drafting_pays):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLM(str(moe_model), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization)
+    spec = DRAFTERS[drafter](moe_model, random_draft)
+    if spec["method"] == "draft":  # (the draft model's weights as the target's: the same logits)
+        spec["quantization"] = quantization
+    llm = LLM(str(moe_model), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization,
+              speculative=spec)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    solo = [llm.generate(p, params)[0] for p in PROMPTS]
+    batched = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in solo] == expected and [o.token_ids for o in batched] == expected
+    assert_drafted(solo + batched, accepted=drafter == "draft=target")
+    if drafter == "draft=target":
+        assert llm.spec_metrics.acceptance_rate == 1.0
