@@ -78,3 +78,22 @@ def test_speculation_on_a_moe_target_equals_plain(moe_model, drafter, quantizati
     assert_drafted(solo + batched, accepted=drafter == "draft=target")
     if drafter == "draft=target":
         assert llm.spec_metrics.acceptance_rate == 1.0
+
+
+def test_moe_from_gguf(moe_model, tmp_path_factory, gguf_cache, monkeypatch):
+    """llama.cpp's layout: the experts of a layer stacked [E, out, in] (Mixtral as `llama` with
+    experts, Qwen2-MoE as `qwen2moe`); read back, the same model as the HF folder."""
+    from draftwise.loading.gguf_file import GGUFFile
+    from tests.tiny_models import write_tiny_gguf
+
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(gguf_cache))
+    path = write_tiny_gguf(moe_model, tmp_path_factory.mktemp("gguf") / "moe.gguf")
+    config = GGUFFile(path).config
+    assert config.num_experts == 4 and config.model_type in ("mixtral", "qwen2_moe")
+    tokens = torch.tensor(TOKENS)
+    expected = load_model(moe_model, pack_cpu_weights=False)
+    got = LLM(str(path), max_model_len=256, progress=False, quantization="none")
+    with torch.no_grad():
+        want = expected(tokens, torch.arange(tokens.shape[1])[None])
+        have = got.model(tokens, torch.arange(tokens.shape[1])[None])
+    torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)

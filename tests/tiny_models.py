@@ -124,6 +124,34 @@ def encode_q4k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _stacked_experts(tensors: dict, config: dict) -> dict[str, np.ndarray]:
+    """Pop a mixture of experts' tensors from an HF checkpoint and return them as llama.cpp names and
+    stacks them: the router, each expert kind as one [E, out, in] tensor, a shared expert and its gate."""
+    import re
+
+    out: dict[str, np.ndarray] = {}
+    kinds = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name in list(tensors):
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.(.+)", name)
+        if not match:
+            continue
+        layer, rest = int(match.group(1)), match.group(2)
+        expert = re.fullmatch(r"experts\.(\d+)\.(\w+)\.weight", rest)
+        shared = re.fullmatch(r"shared_expert\.(\w+)\.weight", rest)
+        if expert:
+            stacks.setdefault((layer, kinds[expert.group(2)]), {})[int(expert.group(1))] = tensors.pop(name)
+        elif shared:
+            out[f"blk.{layer}.ffn_{kinds[shared.group(1)]}_shexp.weight"] = tensors.pop(name)
+        elif rest == "gate.weight":
+            out[f"blk.{layer}.ffn_gate_inp.weight"] = tensors.pop(name)
+        elif rest == "shared_expert_gate.weight":
+            out[f"blk.{layer}.ffn_gate_inp_shexp.weight"] = tensors.pop(name).reshape(-1)
+    for (layer, kind), experts in stacks.items():
+        out[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
 def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False,
                     q4k_except: tuple[str, ...] = (), chat_template: str | None = CHAT_TEMPLATE,
                     metadata: dict | None = None, extra_tensors: dict | None = None) -> Path:
@@ -142,8 +170,9 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
 
     config = json.loads((hf_folder / "config.json").read_text())
     config["rope_theta"] = read_config(hf_folder).rope_theta
-    arch = config["model_type"]
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}.get(config["model_type"], config["model_type"])
     tensors = load_file(str(hf_folder / "model.safetensors"))
+    expert_tensors = _stacked_experts(tensors, config)  # (a mixture of experts, as llama.cpp lays it out)
     to_gguf = {hf: g for g, hf in _GLOBAL_TENSORS.items()}
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
@@ -169,6 +198,20 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
         (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{arch}.{key}", value)
     for gguf_name, array in (extra_tensors or {}).items():  # e.g. rope_freqs.weight
         writer.add_tensor(gguf_name, np.asarray(array, dtype=np.float32))
+    if expert_tensors:
+        experts = config.get("num_local_experts") or config["num_experts"]
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_uint32(f"{arch}.expert_feed_forward_length", config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config["shared_expert_intermediate_size"])
+        for gguf_name, array in expert_tensors.items():
+            if quantize_q4k and array.ndim == 3 and array.shape[2] % 256 == 0:
+                blocks = np.stack([encode_q4k(e) for e in array])
+                writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            else:
+                writer.add_tensor(gguf_name, array.astype(np.float32))
     for name, array in tensors.items():
         short = name.removeprefix("model.")
         if name in to_gguf:

@@ -13,7 +13,10 @@ from draftwise.errors import ModelFormatError, ModelNotFoundError
 from draftwise.model.config import ModelConfig
 from draftwise.model.rope import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe")  # (llama with experts: Mixtral)
+# A mixture of experts' tensors: the router, the experts stacked [E, out, in], a shared expert and its gate.
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
+_SHARED_TENSORS = {"ffn_gate_shexp.weight": "gate", "ffn_up_shexp.weight": "up", "ffn_down_shexp.weight": "down"}
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -35,6 +38,12 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _is_expert_tensor(gguf_name: str) -> bool:
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    return bool(match) and (match.group(2) in _EXPERT_TENSORS or match.group(2) in _SHARED_TENSORS
+                            or match.group(2) in ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -121,8 +130,18 @@ class GGUFFile:
 
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
+        experts = int(meta.get(f"{arch}.expert_count") or 0)
+        moe = {}
+        if experts:
+            sparse = {int(m.group(1)) for t in names if (m := _LAYER_NAME.fullmatch(t)) and m.group(2) == "ffn_gate_inp.weight"}
+            moe = dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+                       moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                                 or get("feed_forward_length")),
+                       shared_expert_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+                       norm_topk_prob=arch == "llama",  # (Mixtral renormalises; Qwen2-MoE does not)
+                       mlp_only_layers=tuple(i for i in range(int(get("block_count"))) if i not in sparse))
         return ModelConfig(
-            model_type=arch,
+            model_type=self.model_type,
             vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -136,7 +155,15 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             rope_scaling=self._rope_scaling(names),
+            **moe,
         )
+
+    @property
+    def model_type(self) -> str:
+        """config.json's model type: the architecture, but Mixtral (llama with experts) and Qwen2-MoE."""
+        if self.architecture == "llama" and self.metadata.get("llama.expert_count"):
+            return "mixtral"
+        return {"qwen2moe": "qwen2_moe"}.get(self.architecture, self.architecture)
 
     def _rope_scaling(self, names: set[str]) -> RopeScaling | None:
         """llama.cpp's RoPE scaling: `rope.scaling.*` metadata (linear, yarn), or a `rope_freqs` tensor
@@ -156,6 +183,38 @@ class GGUFFile:
             rope["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
         return RopeScaling.from_hf(rope, int(meta.get(f"{arch}.context_length", 4096)), str(self.path))
 
+    def _expert_tensors(self, tensor) -> Iterator[GGUFTensor]:
+        """A mixture of experts' tensor as the checkpoint names it: the router, each expert of a stacked
+        [E, out, in] tensor (its Q4_K groups split likewise), the shared expert and its gate."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        from draftwise.quant.q4k import q4k_to_groups
+
+        layer, kind = _LAYER_NAME.fullmatch(tensor.name).groups()
+        mixtral = self.model_type == "mixtral"
+        block = f"model.layers.{layer}." + ("block_sparse_moe." if mixtral else "mlp.")
+        names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {
+            "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        array = array.reshape(shape)
+        if kind == "ffn_gate_inp.weight":
+            yield GGUFTensor(block + "gate.weight", tensor.tensor_type.name, array, None)
+        elif kind == "ffn_gate_inp_shexp.weight":
+            yield GGUFTensor(block + "shared_expert_gate.weight", tensor.tensor_type.name, array.reshape(1, -1), None)
+        elif kind in _SHARED_TENSORS:
+            yield GGUFTensor(f"{block}shared_expert.{names[_SHARED_TENSORS[kind]]}.weight", tensor.tensor_type.name,
+                             array, q4k_to_groups(tensor.data, *shape)
+                             if tensor.tensor_type == GGMLQuantizationType.Q4_K else None)
+        else:
+            raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(shape[0], -1)  # [E, bytes of one]
+            for e in range(shape[0]):
+                groups = (q4k_to_groups(raw[e], *shape[1:]) if tensor.tensor_type == GGMLQuantizationType.Q4_K
+                          else None)
+                yield GGUFTensor(f"{block}experts.{e}.{names[_EXPERT_TENSORS[kind]]}.weight", tensor.tensor_type.name,
+                                 array[e], groups)
+
     @property
     def num_tensors(self) -> int:
         return len(self._reader.tensors)
@@ -169,6 +228,9 @@ class GGUFFile:
 
         for tensor in self._reader.tensors:
             if tensor.name == "rope_freqs.weight":  # (read into the config: `_rope_scaling`)
+                continue
+            if _is_expert_tensor(tensor.name):
+                yield from self._expert_tensors(tensor)
                 continue
             name = hf_tensor_name(tensor.name)
             if name is None:

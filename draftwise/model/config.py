@@ -112,9 +112,11 @@ class ModelConfig:
 
 def _moe_fields(cfg: dict, model_type: str) -> dict:
     """ModelConfig's mixture-of-experts fields from a config.json (none for a dense model)."""
-    if model_type == "mixtral":
-        return {"num_experts": int(cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
-                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}
+    if model_type == "mixtral":  # (transformers' names, or the ones `to_hf_dict` writes)
+        return {"num_experts": int(cfg.get("num_local_experts") or cfg["num_experts"]),
+                "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                "norm_topk_prob": True, "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
     if model_type == "qwen2_moe" or cfg.get("num_experts"):
         return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
                 "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
