@@ -97,3 +97,13 @@ def test_moe_from_gguf(moe_model, tmp_path_factory, gguf_cache, monkeypatch):
         want = expected(tokens, torch.arange(tokens.shape[1])[None])
         have = got.model(tokens, torch.arange(tokens.shape[1])[None])
     torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cost_profile_times_a_moe_targets_passes(moe_model):
+    """Verifying more tokens wakes more experts: the profile times the MoE target's own passes (what
+    the controller and the planner plan with), and each is a real pass of this model."""
+    from draftwise.speculative.control.profile import measure
+
+    llm = LLM(str(moe_model), max_model_len=256, progress=False)
+    costs = measure(llm.runner, None, llm.tokenizer, 0)
+    assert set(costs.target) >= {1, 2, 4, 8} and all(seconds > 0 for seconds in costs.target.values())

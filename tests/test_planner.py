@@ -136,6 +136,7 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     paths = write(plan, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["requests"] == 4
     assert paths["plot"].stat().st_size > 0 and "| concurrency |" in render(plan)
+    assert "Target pass over n tokens, relative to one (as timed here): n=2 " in render(plan)
 
     # The same plan predicted again with another device's costs (`draftwise plan --from-plan --costs`):
     # where verification and drafting are free, the target drafting for itself pays; where a pass

@@ -29,6 +29,13 @@ def render(plan: Plan) -> str:
     else:
         lines.append(f"Switch speculation off from concurrency {plan.switch_off_at} (no configuration is "
                      f"{PAYS_MARGIN - 1:.0%} above plain there).")
+    plain_costs = plan.costs.get("plain", {}).get("target")
+    if plain_costs:  # what verifying more tokens costs here (a mixture of experts wakes more experts)
+        one = float(plain_costs.get("1", plain_costs.get(1, 0)) or 0)
+        points = sorted((int(n), float(s)) for n, s in plain_costs.items())
+        if one > 0:
+            lines.append("Target pass over n tokens, relative to one (as timed here): "
+                         + ", ".join(f"n={n} {s / one:.2f}" for n, s in points if n in (2, 4, 8, 16)) + ".")
     for method, memory in plan.memory.items():
         lines.append(f"- {method}: adds {memory['weights_bytes'] / 2**20:.0f} MiB of weights and "
                      f"{memory['kv_bytes_per_token'] / 1024:.1f} KiB of KV per token; in this KV budget "
