@@ -51,7 +51,7 @@ def train_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) 
 
 def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
                      num_layers: int = 2, residual_scale: float = 1.0, hidden_size: int = 64,
-                     tools: bool = False, rope_scaling: dict | None = None) -> Path:
+                     tools: bool = False, rope_scaling: dict | None = None, vocab_size: int = 320) -> Path:
     """A random model saved as config.json + model.safetensors + tokenizer files.
 
     residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
@@ -59,12 +59,13 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     often does), which gives prompt lookup something to find.
     tools: `<tool_call>` and `</tool_call>` (and fill-in-the-middle's markers) are special tokens and
     the chat template renders tools. rope_scaling: transformers' RoPE scaling dict for the config.
+    vocab_size: the tokenizer's (another one than 320: another vocabulary altogether).
     """
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(extra_special=TOOL_TOKENS if tools else ())
+    tokenizer = train_tokenizer(vocab_size, extra_special=TOOL_TOKENS if tools else ())
     common = dict(
         vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,

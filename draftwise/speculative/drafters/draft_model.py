@@ -19,6 +19,7 @@ from draftwise.loading.resolve import resolve_model
 from draftwise.quant.apply import check_quantization
 from draftwise.runner.model_runner import ModelRunner
 from draftwise.speculative.autoregressive import check_confidence, draft_autoregressively
+from draftwise.speculative.cross_tokenizer import CrossTokenizerProposer
 from draftwise.model.memory import module_bytes
 from draftwise.speculative.proposer import Draft, Footprint
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
@@ -114,6 +115,9 @@ class DraftModelOptions:
     draft_branches: int = option(1, "choices per drafted position: above 1 the draft is a token tree with the "
                                     "next choices as leaves, verified as far as this machine's costs say it pays "
                                     "(1: a chain)")
+    cross_tokenizer: bool = option(False, "a draft model with another tokenizer: it drafts text, which is "
+                                          "tokenized again in the target's vocabulary (`cross_tokenizer.py`)",
+                                   cost=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -132,30 +136,44 @@ class DraftModelOptions:
         if not isinstance(self.draft_branches, int) or isinstance(self.draft_branches, bool) \
                 or not 1 <= self.draft_branches <= 4:
             raise InvalidParameterError(f"draft_branches must be an integer in [1, 4], got {self.draft_branches!r}")
+        if not isinstance(self.cross_tokenizer, bool):
+            raise InvalidParameterError(f"cross_tokenizer must be true or false, got {self.cross_tokenizer!r}")
+        if self.cross_tokenizer and self.draft_branches > 1:
+            raise InvalidParameterError("cross_tokenizer drafts text, not token trees: draft_branches must be 1")
 
 
 def check_draft_model(options: DraftModelOptions, target_tokenizer: Tokenizer, target_name: str,
                       progress: bool) -> None:
-    """Before the target's weights load: the draft model exists and speaks the target's vocabulary."""
+    """Before the target's weights load: the draft model exists and speaks the target's vocabulary
+    (or drafts across vocabularies, when told to)."""
     folder = resolve_model(options.model, progress=progress)
-    check_same_vocabulary(target_tokenizer, Tokenizer(folder), target_name, options.model)
+    if not options.cross_tokenizer:
+        check_same_vocabulary(target_tokenizer, Tokenizer(folder), target_name, options.model)
 
 
-def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelProposer:
+def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelProposer | CrossTokenizerProposer:
     runner = target.runner
     quantization = resolve_quantization(options.quantization, runner.device, runner.dtype, draft=True)
-    draft_model = load_model(resolve_model(options.model, progress=target.progress), runner.device, runner.dtype,
-                             quantization=quantization, load_format=target.load_format)
+    folder = resolve_model(options.model, progress=target.progress)
+    draft_model = load_model(folder, runner.device, runner.dtype, quantization=quantization,
+                             load_format=target.load_format)
+    if options.cross_tokenizer:  # (its whole vocabulary: a trimmed head would rank the target's ids)
+        return CrossTokenizerProposer(_draft_runner(draft_model, target), Tokenizer(folder), target.tokenizer)
     if options.draft_vocab_size is not None and options.draft_vocab_size < draft_model.config.vocab_size:
         trim_lm_head(draft_model, kept_token_ids(target.tokenizer, options.draft_vocab_size))
-    # The draft model's cache holds as many tokens as the target's (it never holds more per
-    # request), plus a block per request for rounding.
-    draft_runner = ModelRunner(draft_model, target.max_num_seqs, target.max_model_len,
-                               num_blocks=runner.blocks.num_blocks + target.max_num_seqs,
-                               block_size=runner.blocks.block_size, step_mode=runner.step_mode)
-    return DraftModelProposer(draft_runner, options.draft_confidence_threshold, options.draft_context_window,
-                              options.draft_branches)
+    return DraftModelProposer(_draft_runner(draft_model, target), options.draft_confidence_threshold,
+                              options.draft_context_window, options.draft_branches)
 
 
-register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up)", DraftModelOptions,
+def _draft_runner(draft_model, target: Target) -> ModelRunner:
+    """The draft model's cache holds as many tokens as the target's (it never holds more per
+    request), plus a block per request for rounding."""
+    runner = target.runner
+    return ModelRunner(draft_model, target.max_num_seqs, target.max_model_len,
+                       num_blocks=runner.blocks.num_blocks + target.max_num_seqs,
+                       block_size=runner.blocks.block_size, step_mode=runner.step_mode)
+
+
+register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up), or another one with "
+                                "cross_tokenizer", DraftModelOptions,
                      build_draft_model, check=check_draft_model, per_request=False, drafts_with_model=True))
