@@ -252,9 +252,20 @@ def test_seeded_speculative_sampling_is_reproducible(tiny_qwen, random_draft, dr
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "draft", "draft_confidence_threshold": 1.5}, "draft_confidence_threshold"),
     ({"method": "draft", "draft_vocab_size": 3}, "draft_vocab_size"),
+    ({"method": "draft", "draft_context_window": -1}, "draft_context_window"),
+    ({"method": "draft", "draft_context_window": False}, "draft_context_window"),
     ({"method": "draft", "draft_probability": 0}, "draft_probability"),
     ({"method": "ngram", "adaptive": "yes"}, "adaptive"),
 ])
 def test_bad_speculative_config(tiny_qwen, spec, message):
     with pytest.raises(InvalidParameterError, match=message):
         LLM(str(tiny_qwen), speculative=spec, progress=False)
+
+
+def test_zero_means_none_in_the_dict_as_on_the_command_line():
+    """An option documented "0: all" takes 0 from the dict API too (the CLI maps it the same way)."""
+    from draftwise.speculative.registry import drafter_spec
+
+    options = drafter_spec("draft").parse_options({"draft_context_window": 0, "draft_vocab_size": 0})
+    assert options.draft_context_window is None and options.draft_vocab_size is None
+    assert drafter_spec("draft").parse_options({"draft_context_window": 5}).draft_context_window == 5

@@ -81,6 +81,9 @@ class DrafterSpec:
             raise InvalidParameterError(
                 f"unknown option(s) {unknown} for speculative method {self.name!r}; it takes "
                 f"{known or 'no options'} besides num_speculative_tokens, adaptive and draft_probability")
+        zero_means_none = {f.name for f in dataclasses.fields(self.options) if f.metadata.get("zero_is_none")}
+        values = {name: None if name in zero_means_none and value == 0 and not isinstance(value, bool) else value
+                  for name, value in values.items()}  # "0: all", as on the command line
         return self.options(**values)
 
     def cost_key(self, options: Any) -> str:
