@@ -205,6 +205,48 @@ def test_validation_pools_rounds_each_against_its_own_plain_run(monkeypatch):
     assert measured_fastest([plain, ngram, fixed]) == {1: "ngram adaptive k<=3"}
 
 
+def test_two_configs_of_one_drafter_are_weighed_side_by_side(tiny_qwen, random_draft, tmp_path, monkeypatch):
+    """`--drafters draft,draft:model=OTHER`: each entry is measured with its own options and keeps its
+    own label in every table (the target drafting for itself accepts everything, a random draft model
+    far less)."""
+    import json
+
+    from draftwise.planner.make import make_plan
+    from draftwise.planner.plan import PlanOptions
+    from draftwise.speculative.control.profile import PROFILES_ENV
+    from tests.clocks import WorkClock
+
+    monkeypatch.setenv(PROFILES_ENV, str(tmp_path / "profiles"))
+    WorkClock(monkeypatch, "draftwise.speculative.control.profile", "draftwise.engine.sequence",
+              "draftwise.engine.engine", "draftwise.llm.closed_loop")
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(json.dumps({"prompt": p}) for p in ("def add(a, b):", "for i in range(3):")) + "\n")
+    other = f"draft:model={random_draft}"
+    options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("draft", other),
+                          drafter_options={"draft": {"model": str(tiny_qwen)}, other: {"model": str(tiny_qwen)}},
+                          concurrency=(1, 2), sample=2, max_tokens=12, max_k=3)
+    plan = make_plan(options, progress=lambda line: None)
+    assert [facts.method for facts in plan.drafters] == ["draft", other]
+    itself, random = (facts.acceptance[""]["conditional"][0] for facts in plan.drafters)
+    assert itself == 1.0 and random < 0.5  # the entry's model= won over the options given to every draft
+    assert {"draft adaptive k<=3", f"{other} adaptive k<=3", f"{other} k=2"} <= set(plan.predictions)
+    assert set(plan.memory) == {"draft", other}
+
+
+@pytest.mark.parametrize("drafters, message", [
+    (("draft:no_such_option=1",), "unknown option.*no_such_option"),
+    (("draft:model",), "name=value"),
+    (("ngram", "ngram"), "listed twice"),
+    (("nope:x=1",), "method must be one of"),
+])
+def test_plan_refuses_bad_drafter_entries(drafters, message):
+    from draftwise.errors import InvalidParameterError
+    from draftwise.planner.plan import PlanOptions
+
+    with pytest.raises(InvalidParameterError, match=message):
+        PlanOptions("t.jsonl", drafters=drafters)
+
+
 def test_plan_rejects_bad_traffic(tmp_path, tiny_qwen):
     from draftwise.errors import InvalidParameterError
     from draftwise.traffic import read_traffic

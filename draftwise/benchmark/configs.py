@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from draftwise.benchmark.runner import RequestResult
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.params import SamplingParams
-from draftwise.speculative.registry import all_specs, names
+from draftwise.speculative.registry import all_specs, names, option_value
 
 PLAIN = "plain"
 CONFIG_PATTERN = re.compile(r"^(\w+)(?::k(=|<=)(\d+))?((?::\w+=[^:=]+)*)$")
@@ -63,20 +63,10 @@ def parse_config(text: str, options: dict[str, dict] | None = None) -> dict | No
                   "adaptive": relation != "=", **(options or {}).get(method, {})}
     for pair in filter(None, extra.split(":")):
         name, value = pair.split("=", 1)
-        spec[name] = _option_value(value)
+        spec[name] = option_value(value)
     if spec["num_speculative_tokens"] < 1:
         raise InvalidParameterError(f"k must be at least 1 in {text!r}")
     return spec
-
-
-def _option_value(text: str) -> int | float | bool | str:
-    """A config's option value as the drafter's options take it: a number, true/false, or text."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def is_adaptive(text: str) -> bool:

@@ -22,7 +22,9 @@ def add_parser(commands) -> None:
     plan.add_argument("--costs", default=None, metavar="DIR",
                       help="with --from-plan: cost models written by `draftwise bench --suite gpu` (<output>/costs)")
     plan.add_argument("--model", default=DEFAULT_TARGET)
-    plan.add_argument("--drafters", default=defaults, help="comma-separated registered drafters")
+    plan.add_argument("--drafters", default=defaults, help="comma-separated registered drafters, each "
+                      "with options if wanted (draft:model=smollm2-135m:cross_tokenizer=true beside draft weighs two "
+                      "draft models)")
     plan.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels to predict")
     plan.add_argument("--sample", type=int, default=24, help="requests sampled from the traffic (evenly by segment)")
     plan.add_argument("--max-tokens", type=int, default=128, help="generation cap for lines without max_tokens")
@@ -53,7 +55,7 @@ def levels(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> None:
     from draftwise.planner.make import make_plan
-    from draftwise.planner.plan import PlanOptions
+    from draftwise.planner.plan import PlanOptions, drafter_method
     from draftwise.planner.report import render, write
     from draftwise.speculative.registry import drafter_spec
 
@@ -64,11 +66,12 @@ def run(args: argparse.Namespace) -> None:
     drafters = tuple(d for d in args.drafters.split(",") if d)
     if not drafters:
         raise InvalidParameterError("--drafters must name at least one drafter")
-    for name in drafters:
-        drafter_spec(name)  # an unknown name fails before any model loads
     if min(args.max_k, args.sample, args.max_tokens, args.validate_rounds) < 1:
         raise InvalidParameterError("--max-k, --sample, --max-tokens and --validate-rounds must be positive")
-    options = PlanOptions(args.traffic, args.model, drafters, drafter_options_from_args(args, list(drafters)),
+    for entry in drafters:
+        drafter_spec(drafter_method(entry))  # an unknown name fails before any model loads (its options in PlanOptions)
+    by_method = drafter_options_from_args(args, sorted({drafter_method(entry) for entry in drafters}))
+    options = PlanOptions(args.traffic, args.model, drafters, {e: by_method[drafter_method(e)] for e in drafters},
                           levels(args.concurrency), args.sample, args.max_tokens, args.max_k, args.segment_field,
                           args.price_per_mtok, args.tokens_per_day, args.seed, args.validate,
                           args.validate_max_concurrency, args.validate_rounds)

@@ -127,6 +127,11 @@ class LLM:
         self._check_drafter(config, progress)
         self._install(config)
 
+    def check_speculative(self, speculative: SpeculativeConfig | dict | None) -> None:
+        """Refuse a config as `set_speculative` would (bad options, a missing draft model, another
+        vocabulary), without installing it: for commands that will install several in turn."""
+        self._check_drafter(SpeculativeConfig.from_value(speculative), progress=False)
+
     def _check_drafter(self, config: SpeculativeConfig | None, progress: bool) -> None:
         if config is not None and config.spec.check is not None:
             config.spec.check(config.options, self.tokenizer, self.model_name, progress)

@@ -57,6 +57,8 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
               enable_prefix_caching=False)
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
+    for entry in options.drafters:  # a missing or mismatched draft model fails before any run
+        llm.check_speculative(speculative_dict(entry, options))
     progress(f"plain decoding of {len(items)} sampled requests")
     live_plain = LiveCostModel(llm.measure_costs(None, None), whole_run=True)
     requests, plain_seconds, plain_prefills = plain_requests(llm, items, live_plain.observe_step)
@@ -68,13 +70,13 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
 
         def listen_to_drafter(method=method, config=config):
             # the drafter's profile is the prior; its runs' steps (target passes, drafter calls) the evidence
-            live_by_method[method] = LiveCostModel(llm.measure_costs(llm.engine.drafters[method].proposer, config),
+            live_by_method[method] = LiveCostModel(llm.measure_costs(llm.engine.drafters[config.method].proposer, config),
                                                    whole_run=True)
             return live_by_method[method].observe_step
 
         acceptance, replays[method] = measure_acceptance(llm, items, speculative_dict(method, options),
                                                          options.max_k, listen_to_drafter, prefill_points)
-        proposer = llm.engine.drafters[method].proposer
+        proposer = llm.engine.drafters[config.method].proposer
         acceptance_by_method[method] = acceptance
         footprint = proposer.footprint()
         drafters.append(DrafterFacts(method, {s: asdict(a) for s, a in acceptance.items()}, footprint.weights_bytes,

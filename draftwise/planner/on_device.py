@@ -46,8 +46,8 @@ def predict_on_device(plan_path: Path, costs_folder: Path) -> DevicePrediction:
     options = PlanOptions(**{**plan["options"], "concurrency": tuple(plan["options"]["concurrency"])})
     costs, acceptance, windows, replays, missing = {}, {}, {}, {}, []
     for facts in plan["drafters"]:
-        method = facts["method"]
-        measured = CostModel.read(costs_folder / f"{method}.json")
+        method = facts["method"]  # an entry with options has no cost model of its own there
+        measured = None if ":" in method else CostModel.read(costs_folder / f"{method}.json")
         if measured is None:
             missing.append(method)
             continue

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 from draftwise.planner.replay import Replay
 from draftwise.planner.simulate import Policy, Request, simulate
-from draftwise.speculative.registry import all_specs
+from draftwise.errors import InvalidParameterError
+from draftwise.speculative.registry import all_specs, drafter_spec, option_value
 
 PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% above plain
 
@@ -18,8 +19,11 @@ PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% abo
 class PlanOptions:
     traffic: str
     model: str = "qwen2.5-coder-1.5b"
-    drafters: tuple[str, ...] = ()  # registered drafter names (empty: those benchmarked by default)
-    drafter_options: dict[str, dict] = field(default_factory=dict)  # method -> its options (as SpeculativeConfig takes)
+    # the drafters weighed: a registered name, or a name with options, "draft:model=smollm2-135m:
+    # cross_tokenizer=true", so that two configs of one drafter are weighed side by side (each such
+    # entry is the drafter's label in every table; empty: those benchmarked by default)
+    drafters: tuple[str, ...] = ()
+    drafter_options: dict[str, dict] = field(default_factory=dict)  # entry -> options (as SpeculativeConfig takes)
     concurrency: tuple[int, ...] = (1, 4, 16, 64)
     sample: int = 24
     max_tokens: int = 128
@@ -34,11 +38,15 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         self.drafters = tuple(self.drafters) or tuple(spec.name for spec in all_specs() if spec.benchmark_by_default)
+        if len(set(self.drafters)) != len(self.drafters):
+            raise InvalidParameterError(f"drafters are listed twice in {list(self.drafters)}")
+        for entry in self.drafters:
+            drafter_spec(drafter_method(entry)).parse_options(entry_options(entry))  # bad ones fail before any run
 
 
 @dataclass(slots=True)
 class DrafterFacts:
-    method: str
+    method: str  # the drafter's entry in `PlanOptions.drafters` (its name, or its name with options)
     acceptance: dict[str, dict]  # segment -> {"conditional": [...], "propose_rate": p}
     weights_bytes: int
     kv_bytes_per_token: int
@@ -65,9 +73,27 @@ class Plan:
     costs: dict[str, dict] = field(default_factory=dict)  # "plain" and each drafter -> the `CostModel` simulated
 
 
-def speculative_dict(method: str, options: PlanOptions) -> dict:
-    """The speculative config (as `LLM.set_speculative` takes it) of a drafter the plan weighs."""
-    return {"method": method, **options.drafter_options.get(method, {})}
+def drafter_method(entry: str) -> str:
+    """"draft:model=x" -> "draft"."""
+    return entry.split(":", 1)[0]
+
+
+def entry_options(entry: str) -> dict:
+    """"draft:model=x:draft_branches=2" -> {"model": "x", "draft_branches": 2} (numbers and true/false read
+    as such, the rest as text)."""
+    options = {}
+    for pair in entry.split(":")[1:]:
+        name, equals, text = pair.partition("=")
+        if not name or not equals:
+            raise InvalidParameterError(f"drafter {entry!r}: options go as name=value after its name, got {pair!r}")
+        options[name] = option_value(text)
+    return options
+
+
+def speculative_dict(entry: str, options: PlanOptions) -> dict:
+    """The speculative config (as `LLM.set_speculative` takes it) of a drafter the plan weighs: the
+    options given for every drafter that takes them, then the entry's own."""
+    return {"method": drafter_method(entry), **options.drafter_options.get(entry, {}), **entry_options(entry)}
 
 
 def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, windows: dict[str, int | None],

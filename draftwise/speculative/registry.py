@@ -99,6 +99,16 @@ def option(default: Any, help: str, *, flag: str | None = None, zero_is_none: bo
                                                         "cost": cost})
 
 
+def option_value(text: str) -> int | float | bool | str:
+    """An option's value written as text (a command line's "name=value"): a number, true/false, or text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 _REGISTRY: dict[str, DrafterSpec] = {}
 _discovered = False
 
