@@ -206,6 +206,31 @@ def test_packed_cache_gives_the_same_model_and_survives_damage(mixed_q4k_model, 
     assert load_model(mixed_q4k_model, quantization=quantization).quantization == first.quantization
 
 
+def test_weights_replaced_in_a_folder_are_packed_again_not_served_from_the_old_cache(tmp_path):
+    """A user's folder, quantized once (the packed cache written into it), then a fine-tune saved over
+    its weights: the next load must compute with the new weights."""
+    import os
+
+    from draftwise.quant.packed_cache import cache_path
+    from tests.tiny_models import write_tiny_model
+
+    def logits(model):
+        runner = ModelRunner(model, max_num_rows=1, max_len=64)
+        return runner.forward([runner.allocate()], [[5, 17, 42, 99, 3]], [5]).logits
+
+    folder = write_tiny_model(tmp_path / "user", "qwen2", seed=3, hidden_size=256)
+    old = logits(load_model(folder, quantization="int8"))
+    assert cache_path(folder, "int8").is_file()
+    write_tiny_model(tmp_path / "user", "qwen2", seed=4, hidden_size=256)  # same names and sizes
+    for weights in folder.glob("model*.safetensors"):  # even where the clock gives it the old time,
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))  # any change counts
+    new = logits(load_model(folder, quantization="int8"))
+    fresh = tmp_path / "fresh"
+    assert torch.equal(new, logits(load_model(write_tiny_model(fresh, "qwen2", seed=4, hidden_size=256),
+                                              quantization="int8")))
+    assert not torch.equal(new, old)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_native_kernel_is_exact_up_to_float32_accumulation(kind, monkeypatch):
     """bf16 x bf16 products are exact in float32, so against a float64 product of the same bf16

@@ -9,11 +9,14 @@ The packed int4 layout belongs to the kernel path (native or PyTorch's), the PyT
 CPU's kernel capability, so all three are part of the file name; a cache written elsewhere is simply
 not found, and writing one removes those earlier native kernel builds left for the same mode. A
 damaged cache file is ignored and rewritten. An int4 embedding table (`embedding.py`) is cached with
-the layers.
+the layers. The cache records the weight files it was packed from (names, sizes, modification
+times): a folder whose weights were replaced since (a fine-tune saved over it) is packed again,
+never served the old layers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -40,6 +43,15 @@ def cache_path(folder: Path, mode: str) -> Path:
     return folder / f"packed-{mode}-{path}-torch{version}-{capability}-f{CACHE_FORMAT}.safetensors"
 
 
+def weights_fingerprint(folder: Path) -> str:
+    """What the packed layers were made from: the folder's config and weight files (not the caches
+    written beside them), by name, size and modification time."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("packed-")
+                   and (p.suffix in (".safetensors", ".bin", ".pt", ".gguf") or p.name == "config.json"))
+    stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.blake2b(json.dumps(stamp).encode(), digest_size=16).hexdigest()
+
+
 def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> None:
     """Write every quantized linear layer of `model`; best effort (a read-only cache is fine)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -52,7 +64,8 @@ def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> Non
     if isinstance(model.embed_tokens, Int4Embedding):
         for key, tensor in model.embed_tokens.packed_state().items():
             tensors[f"{EMBEDDING}.{key}"] = tensor.contiguous()
-    metadata = {"report": json.dumps(asdict(report)), "format": str(CACHE_FORMAT)}
+    metadata = {"report": json.dumps(asdict(report)), "format": str(CACHE_FORMAT),
+                "weights": weights_fingerprint(path.parent)}
     partial = path.with_suffix(".partial")
     try:
         save_file(tensors, str(partial), metadata=metadata)
@@ -79,8 +92,8 @@ def load_packed(path: Path, model: nn.Module) -> QuantizationReport | None:
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-            if metadata.get("format") != str(CACHE_FORMAT):
-                return None
+            if metadata.get("format") != str(CACHE_FORMAT) or metadata.get("weights") != weights_fingerprint(path.parent):
+                return None  # another format, or packed from weights since replaced
             report = QuantizationReport(**json.loads(metadata["report"]))
             layers = {}
 
