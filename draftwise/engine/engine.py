@@ -20,6 +20,7 @@ import time
 import torch
 
 from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, with_forced, within_grammar
+from draftwise.engine.hidden_states import hand_hidden, hidden_layers, kept_positions, reads_hidden, rows_by_method
 from draftwise.engine.logprobs import token_logprobs
 from draftwise.engine.processed import apply_processors, chain_rows
 from draftwise.engine.scheduler import Scheduler
@@ -104,7 +105,7 @@ class Engine:
         self._grammar_seconds = 0.0
         if is_prefill:
             batch[0].row = self.runner.allocate()
-            if not self._reads_hidden(batch[0]):  # (a head reading the target's states needs the whole prompt's)
+            if not reads_hidden(self.drafters, batch[0]):  # (a head reading the target's states needs the whole prompt's)
                 self.runner.share_prefix(batch[0].row, batch[0].token_ids)
             drafts, skipped, forced = [Draft([])], [False], set()
         else:
@@ -114,7 +115,7 @@ class Engine:
             self.counters.constrained_steps += 1
             self.counters.grammar_seconds += self._grammar_seconds
         self._learn_timing(StepTiming(is_prefill, *self._target_pass, self._draft_calls))
-        for method, rows in _rows_by_method(batch).items():
+        for method, rows in rows_by_method(batch).items():
             drafter = self.drafters[method]
             drafter.proposer.on_verified([batch[b] for b in rows], [num_accepted[b] for b in rows])
             for b in rows:
@@ -174,7 +175,7 @@ class Engine:
         drafts = [Draft([]) for _ in batch]
         skipped = [False] * len(batch)
         forced = self._on_grammar(forced_drafts, batch, self.drafters, self._draft_rate)  # row -> forced tokens
-        for method, rows in _rows_by_method(batch).items():
+        for method, rows in rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
             lags = [drafter.proposer.lag(seq) for seq in seqs]
@@ -226,7 +227,7 @@ class Engine:
         trees = [b for b, d in enumerate(drafts) if d.parents is not None and d.token_ids and not skipped[b]]
         parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
                    for b in range(len(batch))] if trees else None
-        capture = self._hidden_layers(batch)
+        capture = hidden_layers(self.drafters, batch)
         masks = self._on_grammar(PendingMasks, batch, drafts, self.runner.model.config.vocab_size)  # beside the pass
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
                                      parents=parents, capture_layers=capture)
@@ -248,14 +249,9 @@ class Engine:
                 self.runner.keep_path(batch[b].row, [first + i for i in path], first)
         elapsed = time.perf_counter() - start
         self._target_pass = (sum(map(len, new_tokens)), elapsed)
-        if capture:
-            # The hidden states at every token this pass fed that stays committed: what the row
-            # lacked before its draft, then its kept draft tokens (a chain's first ones, a tree's path).
-            kept = [result.cu_num_tokens[b] + torch.tensor(
-                list(range(len(pending[b]))) + [len(pending[b]) + node for node in
-                                                (paths[b] if b in paths else range(num_accepted[b]))])
-                    for b in range(len(batch))]  # per row: indices into the pass's fed tokens
-            self._hand_hidden(batch, {layer: [h[index] for index in kept] for layer, h in result.hidden.items()})
+        if capture:  # the hidden states at every fed token that stays committed
+            kept = kept_positions(result.cu_num_tokens, list(map(len, pending)), num_accepted, paths)
+            hand_hidden(self.drafters, batch, result.hidden, kept)
         for b, (seq, tokens, accepted, drafted, skip, draft) in enumerate(zip(batch, output_ids, num_accepted,
                                                                               num_draft, skipped, drafts)):
             committed = seq.append(tokens[:accepted + 1])
@@ -271,24 +267,6 @@ class Engine:
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
-
-    def _reads_hidden(self, seq: Sequence) -> bool:
-        return seq.method is not None and bool(getattr(self.drafters[seq.method].proposer, "hidden_layers", ()))
-
-    def _hidden_layers(self, batch: list[Sequence]) -> tuple[int, ...]:
-        """The target layers whose hidden states the drafters of this batch's rows read (a head
-        drafting from the target's own features; most drafters read none)."""
-        layers = {layer for method in _rows_by_method(batch)
-                  for layer in getattr(self.drafters[method].proposer, "hidden_layers", ())}
-        return tuple(sorted(layers))
-
-    def _hand_hidden(self, batch: list[Sequence], hidden: dict[int, list[torch.Tensor]]) -> None:
-        """Give each drafter that reads hidden states its rows' ({layer: per row [n, H]})."""
-        for method, rows in _rows_by_method(batch).items():
-            proposer = self.drafters[method].proposer
-            if getattr(proposer, "hidden_layers", ()):
-                proposer.on_hidden([batch[b] for b in rows],
-                                   {layer: [hidden[layer][b] for b in rows] for layer in proposer.hidden_layers})
 
     def _verify_chains(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool],
                        target_logits: torch.Tensor, sampling: SamplingBatch,
@@ -357,15 +335,6 @@ class Engine:
         self._release_state(seq)
         if seq.method is not None:
             self.drafters[seq.method].draft_length.release(seq)
-
-
-def _rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:
-    """Row indices of the batch grouped by drafter (plain rows left out)."""
-    groups: dict[str, list[int]] = {}
-    for b, seq in enumerate(batch):
-        if seq.method is not None:
-            groups.setdefault(seq.method, []).append(b)
-    return groups
 
 
 def _fed_parents(num_pending: int, draft_parents: list[int]) -> list[int]:
