@@ -2,7 +2,6 @@
 features at every committed position, stored and refused by name."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from draftwise.speculative.heads.head_proposer import TREE_NODES
 from draftwise.speculative.heads.training import TrainSettings
 from draftwise.training.distill import hidden_states
 from draftwise.training.train_head import train_head
+from tests.cache_env import own_cache_env
 from tests.drafting import assert_constrained_equal, assert_drafted
 from tests.test_spec_equality import PROMPTS, REPETITIVE, CyclingLength
 from tests.test_speculative_sampling import SENTENCE, copying_target, failed_positions  # noqa: F401 (a fixture)
@@ -193,7 +193,7 @@ def test_the_command_trains_an_eagle_head(tiny_qwen, tmp_path):
                              "eagle", "--data", str(data), "--out", str(tmp_path / "head"), "--epochs", "1",
                              "--max-tokens", "8", "--kept-tokens", "64", "--head-width", "32"],
                             capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DRAFTWISE_CACHE": str(tmp_path / "cache")})
+                            env=own_cache_env(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
     assert "held-out acceptance by position" in result.stdout
     assert json.loads((tmp_path / "head" / "config.json").read_text())["intermediate_size"] == 32

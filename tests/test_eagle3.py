@@ -3,7 +3,6 @@ drafter, fed three of the target's layers at every committed position, read and 
 speculators' format, refused by name where they compute what draftwise does not."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from draftwise.speculative.heads.eagle3_format import default_aux_layers, read_e
 from draftwise.speculative.heads.training import TrainSettings
 from draftwise.training.distill import hidden_states
 from draftwise.training.train_head import train_head
+from tests.cache_env import own_cache_env
 from tests.drafting import assert_constrained_equal, assert_drafted
 from tests.test_eagle import TRAINING_PROMPTS
 from tests.test_spec_equality import PROMPTS, CyclingLength
@@ -261,7 +261,7 @@ def test_the_command_trains_an_eagle3_head(tiny_qwen, tmp_path):
                              "eagle3", "--data", str(data), "--out", str(tmp_path / "head"), "--epochs", "1",
                              "--max-tokens", "8", "--kept-tokens", "64", "--head-width", "32"],
                             capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DRAFTWISE_CACHE": str(tmp_path / "cache")})
+                            env=own_cache_env(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
     assert "held-out acceptance by position" in result.stdout
     config = json.loads((tmp_path / "head" / "config.json").read_text())

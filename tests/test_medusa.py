@@ -2,7 +2,6 @@
 by name."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from draftwise.speculative.heads.medusa_training import IGNORED, acceptance_per_
 from draftwise.speculative.heads.store import save_head
 from draftwise.speculative.heads.training import Example, TrainSettings
 from draftwise.training.train_head import train_head
+from tests.cache_env import own_cache_env
 from tests.drafting import assert_constrained_equal, assert_drafted
 from tests.test_spec_equality import PROMPTS, REPETITIVE, CyclingLength
 from tests.test_speculative_sampling import SENTENCE, copying_target, failed_positions  # noqa: F401 (a fixture)
@@ -189,7 +189,7 @@ def test_the_command_trains_and_writes_a_head(tiny_qwen, tmp_path):
     result = subprocess.run([sys.executable, "-m", "draftwise", "train-head", "--target", str(tiny_qwen), "--kind", "medusa",
                              "--data", str(data), "--out", str(tmp_path / "head"), "--epochs", "1",
                              "--max-tokens", "8", "--kept-tokens", "64"], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DRAFTWISE_CACHE": str(tmp_path / "cache")})
+                            env=own_cache_env(tmp_path / "cache"))
     assert result.returncode == 0, result.stderr
     assert "held-out acceptance by position" in result.stdout and (tmp_path / "head" / "head.safetensors").is_file()
 
