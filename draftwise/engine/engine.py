@@ -20,11 +20,11 @@ import time
 import torch
 
 from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, with_forced, within_grammar
-from draftwise.engine.hidden_states import hand_hidden, hidden_layers, kept_positions, reads_hidden, rows_by_method
+from draftwise.engine.hidden_states import hand_hidden, hidden_layers, kept_positions, reads_hidden
 from draftwise.engine.logprobs import token_logprobs
 from draftwise.engine.processed import apply_processors, chain_rows
 from draftwise.engine.scheduler import Scheduler
-from draftwise.engine.sequence import Sequence
+from draftwise.engine.sequence import Sequence, rows_by_method
 from draftwise.engine.step_tensors import draft_token_tensor, pad_rows, stack_draft_probs
 from draftwise.engine.step_timing import DraftCall, StepCounters, StepTiming
 from draftwise.engine.thread_governor import ThreadGovernor

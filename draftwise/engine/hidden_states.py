@@ -6,17 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from draftwise.engine.sequence import Sequence
+from draftwise.engine.sequence import Sequence, rows_by_method
 from draftwise.speculative.drafter import Drafter
-
-
-def rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:
-    """Row indices of the batch grouped by drafter (plain rows left out)."""
-    groups: dict[str, list[int]] = {}
-    for b, seq in enumerate(batch):
-        if seq.method is not None:
-            groups.setdefault(seq.method, []).append(b)
-    return groups
 
 
 def reads_hidden(drafters: dict[str, Drafter], seq: Sequence) -> bool:

@@ -135,3 +135,12 @@ class Sequence:
                              error_reason=self.error_reason,
                              logprobs=None if self.logprobs is None else list(self.logprobs),
                              prompt_logprobs=self.prompt_logprobs)
+
+
+def rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:
+    """Row indices of the batch grouped by drafter (plain rows left out)."""
+    groups: dict[str, list[int]] = {}
+    for b, seq in enumerate(batch):
+        if seq.method is not None:
+            groups.setdefault(seq.method, []).append(b)
+    return groups
