@@ -63,6 +63,49 @@ def test_real_llama_architecture_smollm2():
     assert resolve_model("smollm2-135m").name.startswith("smollm2-135m")
 
 
+def gemma3_reference() -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "reference" / "gemma3_270m_transformers.json").read_text())
+
+
+def test_real_gemma3_matches_transformers_on_the_same_gguf():
+    """Gemma 3 270M in fp32: its SentencePiece tokenizer read from the GGUF and four greedy answers,
+    one past the 512-key sliding window (a 678-token prompt), equal to what transformers produced
+    from the same file (`reference/gemma3_270m_transformers.json`, with how it was made)."""
+    reference = gemma3_reference()
+    llm = LLM("gemma3-270m", max_model_len=1024, max_num_seqs=1, quantization="none")
+    for text, ids in reference["encodings"].items():
+        assert llm.tokenizer.encode(text) == ids, text
+    params = SamplingParams(temperature=0, max_tokens=24)
+    for case in reference["generations"]:
+        assert llm.tokenizer.encode(case["prompt"]) == case["prompt_ids"]
+        out = llm.generate(case["prompt"], params)[0]
+        assert out.token_ids == case["output_ids"][:24], (case["prompt"][-40:], out.text)
+    assert len(reference["generations"][-1]["prompt_ids"]) > 512
+
+
+def test_real_gemma3_drafts_across_vocabularies_for_the_qwen_target(quantized_target):
+    """Gemma 3 270M (262,144 tokens, SentencePiece) drafting for the Qwen 1.5B (151,936, byte-level
+    BPE): greedy output equal to plain decoding, some drafts accepted; without the flag, refused."""
+    from draftwise.speculative.vocabulary import TokenizerMismatchError
+
+    params = SamplingParams(temperature=0, max_tokens=24)
+    quantized_target.set_speculative(None)
+    expected = [o.token_ids for o in quantized_target.generate(SPEC_PROMPTS, params)]
+    quantized_target.set_speculative({"method": "draft", "model": "gemma3-270m", "cross_tokenizer": True,
+                                      "num_speculative_tokens": 3, "adaptive": False})
+    try:
+        got = [o.token_ids for o in quantized_target.generate(SPEC_PROMPTS, params)]
+        accepted = quantized_target.spec_metrics.num_accepted_tokens
+    finally:
+        quantized_target.set_speculative(None)
+    assert got == expected and accepted > 0
+    with pytest.raises(TokenizerMismatchError, match="'gemma3-270m' cannot draft"):
+        quantized_target.set_speculative({"method": "draft", "model": "gemma3-270m"})
+
+
 SPEC_PROMPTS = ["def quicksort(arr):", "def is_prime(n: int) -> bool:\n", "# Read a CSV file with pandas\nimport"]
 
 

@@ -52,6 +52,23 @@ CHECK = textwrap.dedent("""
     chain = triton_attention(q[2:3, :, 3:4].contiguous(), moved_keys, moved_values, tables[2:3], page,
                              torch.zeros(1, dtype=torch.long, device=device), tree_positions[3:4])
     assert torch.equal(tree[:, :, 3:4], chain)
+
+    # A sliding window of 37 keys (Gemma 3's local layers) and a score scale of its own: against SDPA
+    # over exactly the last 37 keys, and each query alone as in the pass.
+    windowed = triton_attention(q, keys, values, tables, page, rows, positions.flatten(), scale=0.07, window=37)
+    for b in range(3):
+        k = keys[key_slots[b]].transpose(0, 1)[None]
+        v = values[key_slots[b]].transpose(0, 1)[None]
+        for s in range(4):
+            p = int(positions[b, s])
+            first = max(0, p + 1 - 37)
+            ref = F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], k[:, :, first:p + 1], v[:, :, first:p + 1],
+                                                 enable_gqa=True, scale=0.07)
+            assert float((windowed[b:b + 1, :, s:s + 1] - ref).abs().max()) < 1e-4, (b, s)
+            alone = triton_attention(q[b:b + 1, :, s:s + 1].contiguous(), keys, values, tables[b:b + 1], page,
+                                     torch.zeros(1, dtype=torch.long, device=device), positions[b, s:s + 1],
+                                     scale=0.07, window=37)
+            assert torch.equal(alone, windowed[b:b + 1, :, s:s + 1]), (b, s)
     print("ok", worst)
 """)
 

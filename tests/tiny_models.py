@@ -49,9 +49,13 @@ def train_tokenizer(vocab_size: int = 320, extra_special: tuple[str, ...] = ()) 
     return tokenizer
 
 
+SLIDING_WINDOW = 5  # tiny Gemma 3's (prompts and answers run far past it)
+
+
 def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie: bool = False,
                      num_layers: int = 2, residual_scale: float = 1.0, hidden_size: int = 64,
-                     tools: bool = False, rope_scaling: dict | None = None, vocab_size: int = 320) -> Path:
+                     tools: bool = False, rope_scaling: dict | None = None, vocab_size: int = 320,
+                     gemma_as_llama_cpp: bool = False) -> Path:
     """A random model saved as config.json + model.safetensors + tokenizer files.
 
     residual_scale < 1 shrinks what attention and MLP add to the residual stream, so the next token
@@ -60,9 +64,12 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
     tools: `<tool_call>` and `</tool_call>` (and fill-in-the-middle's markers) are special tokens and
     the chat template renders tools. rope_scaling: transformers' RoPE scaling dict for the config.
     vocab_size: the tokenizer's (another one than 320: another vocabulary altogether).
+    gemma_as_llama_cpp: a Gemma 3 with the constants llama.cpp assumes for its files (every sixth layer
+    global, local RoPE base 10000, scores scaled by head_dim^-1/2), so that its GGUF reads back the same.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size, extra_special=TOOL_TOKENS if tools else ())
@@ -78,6 +85,18 @@ def write_tiny_model(folder: Path, model_type: str = "qwen2", seed: int = 0, tie
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif model_type == "mixtral":  # 4 experts, 2 a token
         model = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    elif model_type == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    elif model_type == "qwen3_moe":  # 4 experts of half width, 2 a token, renormalised; the last layer dense
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+            norm_topk_prob=True, mlp_only_layers=[num_layers - 1]))
+    elif model_type == "gemma3_text":  # a window of 5 keys on every layer but each third; a score scale of its own
+        pattern, local_theta, scalar = (6, 10000.0, 32) if gemma_as_llama_cpp else (3, 100.0, 24)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **{**common, "rope_theta": 1e6}, head_dim=32, query_pre_attn_scalar=scalar, sliding_window=SLIDING_WINDOW,
+            layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)],
+            rope_local_base_freq=local_theta, hidden_activation="gelu_pytorch_tanh"))
     elif model_type == "qwen2_moe":  # 4 experts of half width, 2 a token, a shared expert; the last layer dense
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
@@ -165,13 +184,15 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
     import gguf
     from safetensors.numpy import load_file
 
-    from draftwise.loading.gguf_file import _GLOBAL_TENSORS, _LAYER_TENSORS, permute_rotary
+    from draftwise.loading.gguf_file import _GEMMA3_TENSORS, _GLOBAL_TENSORS, _LAYER_TENSORS, permute_rotary
 
     from draftwise.loading.hf_folder import read_config
 
     config = json.loads((hf_folder / "config.json").read_text())
     config["rope_theta"] = read_config(hf_folder).rope_theta
-    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe"}.get(config["model_type"], config["model_type"])
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}.get(
+        config["model_type"], config["model_type"])
+    layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     tensors = load_file(str(hf_folder / "model.safetensors"))
     expert_tensors = _stacked_experts(tensors, config)  # (a mixture of experts, as llama.cpp lays it out)
     to_gguf = {hf: g for g, hf in _GLOBAL_TENSORS.items()}
@@ -184,6 +205,11 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if arch == "gemma3":  # (llama.cpp fixes the layer pattern, the local RoPE base and the score scale itself)
+        writer.add_sliding_window(config["sliding_window"])
     vocab = json.loads((hf_folder / "tokenizer.json").read_text())
     ordered = sorted(vocab["model"]["vocab"].items(), key=lambda item: item[1])
     writer.add_tokenizer_model("gpt2")
@@ -220,8 +246,10 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
         else:
             parts = short.split(".")  # layers.{i}.{rest}
             rest = ".".join(parts[2:])
-            gguf_name = f"blk.{parts[1]}.{next(g for g, h in _LAYER_TENSORS.items() if h == rest)}"
+            gguf_name = f"blk.{parts[1]}.{next(g for g, h in layer_tensors.items() if h == rest)}"
         array = array.astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # (llama.cpp's converter stores Gemma's 1 + w)
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = permute_rotary(array, heads)

@@ -12,6 +12,9 @@
   prefill, not batch-invariant (a draft model's catch-up may then round differently from the
   target's prefill: only acceptance can suffer, never the output).
 
+Sliding windows (Gemma 3's local layers): a query at position p reads keys p - window + 1 .. p, in
+every backend, in the same order it reads them without one.
+
 Token trees: a pass may carry, per query, a *path* (`path_start` [N], `path` [N, T]): its key
 positions from path_start on are read from the stored positions the path lists (its ancestors in
 the tree, then itself). Every backend but the masked one honours it, reading exactly the keys a
@@ -59,40 +62,45 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str |
 def kernel_attention(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      block_tables: torch.Tensor, block_size: int, query_rows: torch.Tensor,
                      positions: torch.Tensor, path_start: torch.Tensor | None = None,
-                     path: torch.Tensor | None = None) -> torch.Tensor:
+                     path: torch.Tensor | None = None, *, scale: float | None = None, window: int = 0) -> torch.Tensor:
     attend = native_attention if kernel == "native" else triton_attention.triton_attention
-    return attend(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path)
+    return attend(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path,
+                  scale=scale, window=window)
 
 
 @torch.library.custom_op("draftwise::paged_attention", mutates_args=())
 def _paged_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                         block_size: int, query_rows: torch.Tensor, positions: torch.Tensor, path_start: torch.Tensor,
-                        path: torch.Tensor) -> torch.Tensor:
+                        path: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     """The native kernel as a custom op, so that `torch.compile(fullgraph=True)` traces through it."""
     return native_kernels().paged_attention(q, keys, values, block_tables, block_size, query_rows, positions,
-                                            path_start, path, q.shape[-1] ** -0.5)
+                                            path_start, path, scale, window)
 
 
 @_paged_attention_op.register_fake
-def _(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path):
+def _(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path, scale, window):
     return torch.empty_like(q)
 
 
 def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                      block_size: int, query_rows: torch.Tensor, positions: torch.Tensor,
-                     path_start: torch.Tensor | None = None, path: torch.Tensor | None = None) -> torch.Tensor:
+                     path_start: torch.Tensor | None = None, path: torch.Tensor | None = None, *,
+                     scale: float | None = None, window: int = 0) -> torch.Tensor:
     """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; block_tables [B, W] each
     row's blocks of `block_size` slots in position order; query_rows, positions [B*S]; token trees'
-    path_start [B*S] and path [B*S, T] (None: no tree). Returns [B, Hq, S, D]."""
+    path_start [B*S] and path [B*S, T] (None: no tree); scores scaled by `scale` (None: D^-1/2), over
+    the last `window` keys up to each position (0: all). Returns [B, Hq, S, D]."""
     batch, heads, seq, dim = q.shape
+    scale = dim ** -0.5 if scale is None else scale
     flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
     if path is None:
         path_start = path = _NO_PATH
     if torch.compiler.is_compiling():
-        out = _paged_attention_op(flat, keys, values, block_tables, block_size, query_rows, positions, path_start, path)
+        out = _paged_attention_op(flat, keys, values, block_tables, block_size, query_rows, positions, path_start, path,
+                                  scale, window)
     else:
         out = native_kernels().paged_attention(flat, keys, values, block_tables, block_size, query_rows, positions,
-                                               path_start, path, dim ** -0.5)
+                                               path_start, path, scale, window)
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
@@ -100,26 +108,35 @@ _NO_PATH = torch.empty(0, dtype=torch.long)
 
 
 def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host_positions: list[list[int]],
-                        host_keys: list[list[list[int]] | None] | None = None) -> torch.Tensor:
+                        host_keys: list[list[list[int]] | None] | None = None, *, scale: float | None = None,
+                        window: int = 0) -> torch.Tensor:
     """q [B, Hq, S, D] over k, v [B, Hkv, T, D]: each query alone over keys 0..its position, or,
-    where host_keys[b][s] lists them (a token tree), over exactly those stored positions."""
+    where host_keys[b][s] lists them (a token tree), over exactly those stored positions; the last
+    `window` of them only (0: all)."""
     rows = []
     for b, row_positions in enumerate(host_positions):
         keys_of = host_keys[b] if host_keys is not None else None
         outputs = []
         for s, p in enumerate(row_positions):
+            first = max(0, p + 1 - window) if window else 0
             if keys_of is None:
-                key, value = k[b:b + 1, :, :p + 1], v[b:b + 1, :, :p + 1]
+                key, value = k[b:b + 1, :, first:p + 1], v[b:b + 1, :, first:p + 1]
             else:
-                index = torch.tensor(keys_of[s], device=k.device)
+                index = torch.tensor(keys_of[s][first:], device=k.device)
                 key, value = k[b:b + 1, :, index], v[b:b + 1, :, index]
-            outputs.append(F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], key, value, enable_gqa=True))
+            outputs.append(F.scaled_dot_product_attention(q[b:b + 1, :, s:s + 1], key, value, enable_gqa=True,
+                                                          scale=scale))
         rows.append(torch.cat(outputs, dim=2))
     return torch.cat(rows)  # [B, Hq, S, D]
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q [B, Hq, S, D] over k, v [B, Hkv, T, D], a query at position p seeing keys at positions <= p."""
-    key_positions = torch.arange(k.shape[2], device=q.device)[None, :]  # [1, T]
-    mask = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, T]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+                     scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """q [B, Hq, S, D] over k, v [B, Hkv, T, D], a query at position p seeing keys at positions <= p
+    (and > p - window with a window)."""
+    key_positions = torch.arange(k.shape[2], device=q.device)[None, None, None, :]  # [1, 1, 1, T]
+    query_positions = positions[:, None, :, None]  # [B, 1, S, 1]
+    mask = key_positions <= query_positions  # [B, 1, S, T]
+    if window:
+        mask &= key_positions > query_positions - window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)

@@ -125,18 +125,22 @@ class KVCacheView:
         """Store the new keys/values [B, Hkv, S, D] of this view's rows (padding: the scratch slot)."""
         write_kv(self.cache.keys[layer], self.cache.values[layer], self._write_slots, keys, values)
 
-    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, *, scale: float,
+               window: int = 0) -> torch.Tensor:
         """Attention of the pass's queries q [B, Hq, S, D] (at positions [B, S]) over this layer's
-        keys and values (written already), causal: [B, Hq, S, D]."""
+        keys and values (written already), causal, over the last `window` keys (0: all), scores
+        scaled by `scale`: [B, Hq, S, D]."""
         if self.cache.kernel is not None:
             return attention_backend.kernel_attention(self.cache.kernel, q, self.cache.keys[layer],
                                                       self.cache.values[layer], self._block_tables,
                                                       self.cache.blocks.block_size, self._query_rows,
-                                                      self._positions, self._path_start, self._path)
+                                                      self._positions, self._path_start, self._path,
+                                                      scale=scale, window=window)
         k, v = self.read(layer, self._kv_length)  # [B, Hkv, T, D]
         if q.shape[2] <= attention_backend.PER_QUERY_MAX or self.host_keys is not None:
-            return attention_backend.per_query_attention(q, k, v, self.host_positions, self.host_keys)
-        return attention_backend.masked_attention(q, k, v, positions)
+            return attention_backend.per_query_attention(q, k, v, self.host_positions, self.host_keys,
+                                                         scale=scale, window=window)
+        return attention_backend.masked_attention(q, k, v, positions, scale=scale, window=window)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, length, D] of this view's rows (the SDPA paths)."""

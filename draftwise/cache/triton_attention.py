@@ -33,7 +33,7 @@ def available() -> bool:
 if triton is not None:
     @triton.jit
     def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, positions_ptr, path_start_ptr, path_ptr,
-                                out_ptr, scale, stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_tables_b,
+                                out_ptr, scale, window, stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_tables_b,
                                 stride_path_n, page_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PATH: tl.constexpr):
         n = tl.program_id(0)  # the query
@@ -50,9 +50,12 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(0, position + 1, BLOCK):
+        first = 0
+        if window > 0:  # a sliding window: keys position - window + 1 .. position
+            first = tl.maximum(position - window + 1, 0)
+        for start in range(first // BLOCK * BLOCK, position + 1, BLOCK):  # (blocks aligned the same for every query)
             offsets = start + tl.arange(0, BLOCK)  # [N]
-            visible = offsets <= position
+            visible = (offsets <= position) & (offsets >= first)
             stored = offsets
             if HAS_PATH:
                 on_path = visible & (offsets >= path_start)
@@ -78,11 +81,12 @@ if triton is not None:
 
 def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                      block_size: int, query_rows: torch.Tensor, positions: torch.Tensor,
-                     path_start: torch.Tensor | None = None, path: torch.Tensor | None = None) -> torch.Tensor:
+                     path_start: torch.Tensor | None = None, path: torch.Tensor | None = None, *,
+                     scale: float | None = None, window: int = 0) -> torch.Tensor:
     """q [B, Hq, S, D] over one layer's storage keys/values [slots, Hkv, D]; block_tables [B, W] each
     row's blocks of `block_size` slots in position order; query_rows, positions [B*S]; for token
-    trees path_start [B*S] and path [B*S, T] (see `kernels/paged_attention.cpp`). Returns
-    [B, Hq, S, D]."""
+    trees path_start [B*S] and path [B*S, T] (see `kernels/paged_attention.cpp`); scores scaled by
+    `scale` (None: D^-1/2), over the last `window` keys (0: all). Returns [B, Hq, S, D]."""
     batch, heads, seq, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -92,7 +96,7 @@ def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if not has_path:
         path_start = path = positions  # never read
     _paged_attention_kernel[(batch * seq, kv_heads)](
-        flat, keys, values, block_tables, query_rows, positions, path_start, path, out, dim ** -0.5,
+        flat, keys, values, block_tables, query_rows, positions, path_start, path, out, dim ** -0.5 if scale is None else scale, window,
         flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
         path.stride(0) if has_path else 0, block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim, BLOCK=BLOCK_N, HAS_PATH=has_path)

@@ -13,7 +13,7 @@ from draftwise.errors import ModelFormatError, ModelNotFoundError
 from draftwise.model.config import ModelConfig
 from draftwise.model.rope import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe")  # (llama with experts: Mixtral)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3")  # (llama with experts: Mixtral)
 # A mixture of experts' tensors: the router, the experts stacked [E, out, in], a shared expert and its gate.
 _EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
 _SHARED_TENSORS = {"ffn_gate_shexp.weight": "gate", "ffn_up_shexp.weight": "up", "ffn_down_shexp.weight": "down"}
@@ -31,7 +31,17 @@ _LAYER_TENSORS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3, Gemma 3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma 3 norms each sublayer's input and output: its ffn_norm is the MLP's input norm.
+_GEMMA3_TENSORS = {**_LAYER_TENSORS, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                   "post_attention_norm.weight": "post_attention_layernorm.weight",
+                   "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# llama.cpp's Gemma 3 constants that its files do not carry (llama-model.cpp).
+GEMMA3_SLIDING_PATTERN = 6  # every sixth layer global, the others sliding
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_NORM_SHIFT = 1.0  # the converter stores 1 + w for each norm (Gemma scales by 1 + w)
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -46,12 +56,13 @@ def _is_expert_tensor(gguf_name: str) -> bool:
                             or match.group(2) in ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _GEMMA3_TENSORS if architecture == "gemma3" else _LAYER_TENSORS
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    if match and match.group(2) in layer_tensors:
+        return f"model.layers.{match.group(1)}.{layer_tensors[match.group(2)]}"
     return None
 
 
@@ -138,7 +149,7 @@ class GGUFFile:
                        moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
                                                  or get("feed_forward_length")),
                        shared_expert_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
-                       norm_topk_prob=arch == "llama",  # (Mixtral renormalises; Qwen2-MoE does not)
+                       norm_topk_prob=arch in ("llama", "qwen3moe"),  # (Mixtral, Qwen3-MoE renormalise; Qwen2-MoE not)
                        mlp_only_layers=tuple(i for i in range(int(get("block_count"))) if i not in sparse))
         return ModelConfig(
             model_type=self.model_type,
@@ -155,15 +166,30 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             rope_scaling=self._rope_scaling(names),
+            qk_norm="blk.0.attn_q_norm.weight" in names,
             **moe,
+            **(self._gemma3_fields(hidden, heads) if arch == "gemma3" else {}),
         )
+
+    def _gemma3_fields(self, hidden: int, heads: int) -> dict:
+        meta, layers = self.metadata, int(self.metadata["gemma3.block_count"])
+        head_dim = int(meta.get("gemma3.attention.key_length") or hidden // heads)
+        # llama.cpp: queries scaled by head_dim^-1/2, but hidden / heads for the 27B (62 layers)
+        scalar = hidden // heads if layers == 62 else head_dim
+        return dict(sandwich_norms=True, norm_weight_offset=GEMMA3_NORM_SHIFT, embedding_multiplier=hidden ** 0.5,
+                    hidden_act="gelu_tanh", query_pre_attn_scalar=float(scalar),
+                    sliding_window=int(meta.get("gemma3.attention.sliding_window") or 0),
+                    layer_types=tuple("full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0
+                                      else "sliding_attention" for i in range(layers)),
+                    local_rope_theta=GEMMA3_LOCAL_ROPE_THETA)
 
     @property
     def model_type(self) -> str:
         """config.json's model type: the architecture, but Mixtral (llama with experts) and Qwen2-MoE."""
         if self.architecture == "llama" and self.metadata.get("llama.expert_count"):
             return "mixtral"
-        return {"qwen2moe": "qwen2_moe"}.get(self.architecture, self.architecture)
+        return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(
+            self.architecture, self.architecture)
 
     def _rope_scaling(self, names: set[str]) -> RopeScaling | None:
         """llama.cpp's RoPE scaling: `rope.scaling.*` metadata (linear, yarn), or a `rope_freqs` tensor
@@ -232,7 +258,7 @@ class GGUFFile:
             if _is_expert_tensor(tensor.name):
                 yield from self._expert_tensors(tensor)
                 continue
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, self.architecture)
             if name is None:
                 raise ModelFormatError(f"{self.path}: unexpected tensor {tensor.name!r}")
             try:
@@ -243,6 +269,8 @@ class GGUFFile:
                 ) from None
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
             array = array.reshape(shape)
+            if self.architecture == "gemma3" and name.endswith("norm.weight"):
+                array = array - GEMMA3_NORM_SHIFT  # (as Hugging Face stores it; loading adds it back)
             groups = None
             if tensor.tensor_type == GGMLQuantizationType.Q4_K and len(shape) == 2:
                 groups = q4k_to_groups(tensor.data, *shape)

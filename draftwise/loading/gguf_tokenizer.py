@@ -1,4 +1,10 @@
-"""Build a `tokenizers` tokenizer (tokenizer.json) from the vocabulary stored in GGUF metadata."""
+"""Build a `tokenizers` tokenizer (tokenizer.json) from the vocabulary stored in GGUF metadata.
+
+Two kinds: byte-level BPE with merges (`gpt2`: Qwen, Llama 3, SmolLM) and SentencePiece BPE with
+scores (`llama`: Gemma, Llama 2). SentencePiece merges the adjacent pair whose merged piece scores
+highest; the same order as merges ranked by the merged piece's score, so it becomes a BPE model with
+those merges, spaces written as "▁", and unknown characters spelled as byte tokens (<0xNN>).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ _QWEN2_PATTERN = (
 _LLAMA3_PATTERN = _QWEN2_PATTERN.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 
 # GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+_SPACE = "\u2581"  # SentencePiece's "▁"
 
 
 def _pre_tokenizer(pre: str):
@@ -36,10 +43,12 @@ def _pre_tokenizer(pre: str):
 def build_tokenizer(metadata: dict, source: str) -> Tokenizer:
     """metadata: the GGUF `tokenizer.ggml.*` fields as Python values."""
     kind = metadata.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_bpe(metadata, source)
     if kind != "gpt2":
         raise ModelFormatError(
-            f"{source}: tokenizer type {kind!r} is not supported yet (byte-level BPE 'gpt2' is); "
-            "use a Hugging Face folder with tokenizer.json instead"
+            f"{source}: tokenizer type {kind!r} is not supported yet (byte-level BPE 'gpt2' and SentencePiece "
+            "BPE 'llama' are); use a Hugging Face folder with tokenizer.json instead"
         )
     pre = metadata.get("tokenizer.ggml.pre", "default")
     pre_tokenizer = _pre_tokenizer(pre)
@@ -62,3 +71,43 @@ def build_tokenizer(metadata: dict, source: str) -> Tokenizer:
         if kind_ in (_CONTROL, _USER_DEFINED)
     ])
     return tokenizer
+
+
+def _sentencepiece_bpe(metadata: dict, source: str) -> Tokenizer:
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    scores: list[float] | None = metadata.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ModelFormatError(f"{source}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, token_types), fuse_unk=True,
+                                     byte_fallback=True, unk_token=tokens[unknown] if unknown is not None else None))
+    normalize = [normalizers.Replace(" ", _SPACE)]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        normalize.insert(0, normalizers.Prepend(_SPACE))
+    tokenizer.normalizer = normalizers.Sequence(normalize)
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token, kind in zip(tokens, token_types) if kind == _CONTROL])
+    tokenizer.add_tokens([  # user-defined pieces (whitespace runs among them) match the raw text whole, and decode
+        AddedToken(token, special=False, normalized=False)
+        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
+    return tokenizer
+
+
+def _merges_by_score(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two normal pieces, the highest-scoring merged piece first
+    (ties: by the parts' ids)."""
+    normal = {token: index for index, (token, kind) in enumerate(zip(tokens, token_types)) if kind == _NORMAL}
+    ranked = []
+    for piece, index in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[index], normal[left], normal[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]

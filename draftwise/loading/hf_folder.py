@@ -42,6 +42,15 @@ def _read_tensors(folder: Path, only: set[str] | None = None) -> dict[str, torch
     return tensors
 
 
+def _offset_norms(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Gemma's norms scale by (1 + w) where the checkpoint stores w: folded into the weight once here."""
+    if config.norm_weight_offset:
+        for name in tensors:
+            if name.endswith("norm.weight"):
+                tensors[name] = tensors[name].float() + config.norm_weight_offset
+    return tensors
+
+
 def _fused_state(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename Hugging Face tensors to ours, fusing q/k/v and gate/up into single matrices."""
     def take(name: str) -> torch.Tensor:
@@ -57,8 +66,10 @@ def _fused_state(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[
     for i in range(config.num_hidden_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        state[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
-        state[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        norms = ("input_layernorm", "post_attention_layernorm") + (
+            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if config.sandwich_norms else ())
+        for norm in norms + (("self_attn.q_norm", "self_attn.k_norm") if config.qk_norm else ()):
+            state[f"{dst}{norm}.weight"] = take(f"{src}{norm}.weight")
         state[dst + "self_attn.qkv_proj.weight"] = torch.cat(
             [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")])
         if config.attention_bias:
@@ -147,7 +158,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         cached = _load_packed_model(folder, config, mode)
         if cached is not None:
             return cached
-    tensors = _read_tensors(folder)  # (its errors name the folder)
+    tensors = _offset_norms(_read_tensors(folder), config)  # (its errors name the folder)
     try:
         state = _fused_state(tensors, config)
     except ModelFormatError as error:
@@ -183,7 +194,8 @@ def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transfor
         return None
     wanted = set(model.state_dict())  # what is left once the linear layers came from the cache
     stored = {_checkpoint_name(name, config): name for name in wanted}
-    tensors = {stored[name]: tensor.float() for name, tensor in _read_tensors(folder, only=set(stored)).items()}
+    tensors = {stored[name]: tensor.float() for name, tensor in
+               _offset_norms(_read_tensors(folder, only=set(stored)), config).items()}
     if wanted - set(tensors):
         raise ModelFormatError(f"{folder}: weights missing from the checkpoint: {sorted(wanted - set(tensors))[:5]}")
     model.load_state_dict(tensors, assign=True, strict=True)

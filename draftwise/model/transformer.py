@@ -1,8 +1,10 @@
-"""One PyTorch implementation of the Llama family (Llama, Qwen2, Mistral, SmolLM; Mixtral and Qwen2-MoE
-with mixture-of-experts feed-forward blocks, `moe.py`).
+"""One PyTorch implementation of the Llama family (Llama, Qwen2, Mistral, SmolLM; Qwen3; Mixtral,
+Qwen2-MoE and Qwen3-MoE with mixture-of-experts feed-forward blocks, `moe.py`) and of Gemma 3 (text).
 
-RMSNorm, rotary embedding with the file's base, grouped-query attention with optional QKV bias,
-SwiGLU MLP, tied or separate LM head. The forward pass can stop after the first L layers
+RMSNorm, rotary embedding with the file's base, grouped-query attention with optional QKV bias and
+QK-norm, SwiGLU MLP, tied or separate LM head. Gemma 3 adds: embeddings scaled by sqrt(hidden), norms
+on what each sublayer adds too (`SandwichDecoderLayer`), GeGLU, and sliding-window layers with their
+own RoPE base beside global ones. The forward pass can stop after the first L layers
 (self-speculation) and hand back the hidden states of any layers (trained drafting heads).
 """
 
@@ -29,11 +31,29 @@ class DecoderLayer(nn.Module):
                                  config.num_experts_per_tok, config.norm_topk_prob,
                                  config.shared_expert_intermediate_size)
         else:
-            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, x, positions, cos, sin, cache):
         x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 3's layer: each sublayer's input and output normed (Hugging Face's names)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x, positions, cos, sin, cache):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, cos, sin, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Transformer(nn.Module):
@@ -41,21 +61,29 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        layer = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # RoPE's inverse frequencies (on the CPU; a copy per device the positions come from)
         self._inv_freq, self._rope_factor = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
+        if config.local_rope_theta is not None:  # sliding layers' own base, plain RoPE (Gemma 3)
+            self._local_inv_freq, _ = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
+        self._sliding = [config.is_sliding(i) and config.local_rope_theta is not None
+                         for i in range(config.num_hidden_layers)]
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, S, D] for positions [B, S], with the model's RoPE scaling."""
-        inv_freq = self._inv_freq_on.get(positions.device)
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype, *,
+               local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, S, D] for positions [B, S], with the model's RoPE scaling (local: the
+        sliding layers' base, unscaled)."""
+        inv_freq = self._inv_freq_on.get((positions.device, local))
         if inv_freq is None:
-            inv_freq = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
-        return cos_sin(positions, inv_freq, self._rope_factor, dtype)
+            inv_freq = self._local_inv_freq if local else self._inv_freq
+            inv_freq = self._inv_freq_on[positions.device, local] = inv_freq.to(positions.device)
+        return cos_sin(positions, inv_freq, 1.0 if local else self._rope_factor, dtype)
 
     def hidden_states(
         self,
@@ -72,10 +100,14 @@ class Transformer(nn.Module):
         the residual stream after each layer in `capture_layers` (0-based), also [B, S, H].
         """
         x = self.embed_tokens(token_ids)  # [B, S, H]
-        cos, sin = self.rotary(positions, x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
+        rotations = {False: self.rotary(positions, x.dtype)}
+        if any(self._sliding):
+            rotations[True] = self.rotary(positions, x.dtype, local=True)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, positions, cos, sin, cache)
+            x = layer(x, positions, *rotations[self._sliding[index]], cache)
             if index in capture_layers:
                 captured[index] = x
         return x, captured

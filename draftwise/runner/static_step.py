@@ -68,12 +68,14 @@ class TensorKVView:
         """New keys/values [R, Hkv, S, D] into their slots."""
         write_kv(self.cache.keys[layer], self.cache.values[layer], self.inputs.write_slots, keys, values)
 
-    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, *, scale: float,
+               window: int = 0) -> torch.Tensor:
         """q [R, Hq, S, D] -> [R, Hq, S, D]."""
         return attention_backend.kernel_attention(self.cache.kernel, q, self.cache.keys[layer],
                                                   self.cache.values[layer], self.inputs.block_tables,
                                                   self.cache.blocks.block_size, self.inputs.query_rows,
-                                                  positions.flatten(), self.inputs.path_start, self.inputs.path)
+                                                  positions.flatten(), self.inputs.path_start, self.inputs.path,
+                                                  scale=scale, window=window)
 
 
 def step_logits(model: Transformer, cache: KVCache, inputs: StepTensors) -> torch.Tensor:

@@ -22,7 +22,8 @@
 //   block_tables int64 [B, W]            each row's blocks in position order: key position t of row b is in
 //                                        slot block_tables[b, t / block_size] * block_size + t % block_size
 //   query_rows   int64 [N]               the row of each query
-//   positions    int64 [N]               the position of each query (it sees keys 0..position)
+//   positions    int64 [N]               the position of each query (it sees keys 0..position; with a sliding
+//                                        window w > 0, keys position - w + 1..position)
 //   path_start   int64 [N]               token trees (else both empty): key positions t >= path_start[n] of
 //   path         int64 [N, T]            query n are read from position path[n, t - path_start[n]] (its
 //                                        ancestors in the tree, then itself, stored wherever the pass put them)
@@ -36,11 +37,12 @@
 // split across threads; the Python binding). A build (paged_attention_avx512.cpp,
 // paged_attention_avx2.cpp) defines, in an anonymous namespace, before including it:
 //   void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks,
-//                     int64_t block_size, int64_t position, const int64_t* path, int64_t path_start,
+//                     int64_t block_size, int64_t first, int64_t last, const int64_t* path, int64_t path_start,
 //                     int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
 //                     float* scratch, float* out);
-// one query over its row's keys for the `group` heads sharing kv head `kv_head` (their q rows
-// consecutive), scratch holding group x (position + 1 rounded up to 16) scores and group x d sums.
+// one query over its row's keys first..first + last (key index t = 0..last is key position first + t)
+// for the `group` heads sharing kv head `kv_head` (their q rows consecutive), scratch holding
+// group x (last + 1 rounded up to 16) scores and group x d sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -49,7 +51,7 @@
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor block_tables,
                               int64_t block_size, torch::Tensor query_rows, torch::Tensor positions,
-                              torch::Tensor path_start, torch::Tensor path, double scale) {
+                              torch::Tensor path_start, torch::Tensor path, double scale, int64_t window) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32,
               "paged_attention: fp32 only");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && block_tables.is_contiguous(),
@@ -84,13 +86,15 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
     }
   }
   TORCH_CHECK(group <= 64, "paged_attention: at most 64 query heads per kv head");
+  TORCH_CHECK(window >= 0, "paged_attention: a negative window");
   at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(group * ((table_width + 15) / 16 * 16 + d));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / num_kv_heads, g = task % num_kv_heads;
       const int64_t first_head = n * num_heads + g * group;
+      const int64_t first = window > 0 && pos_ptr[n] >= window ? pos_ptr[n] - window + 1 : 0;
       attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table_ptr + row_ptr[n] * block_tables.size(1), block_size,
-                   pos_ptr[n], tree ? path_ptr + n * path_width : nullptr, tree ? start_ptr[n] : 0, g, num_kv_heads,
+                   first, pos_ptr[n] - first, tree ? path_ptr + n * path_width : nullptr, tree ? start_ptr[n] : 0, g, num_kv_heads,
                    group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
     }
   });

@@ -71,10 +71,13 @@ inline __mmask16 first_lanes(int64_t count) {
 // consecutive). The heads go through each block of 16 keys (and values) while it is in L1; each
 // head's arithmetic, and its order, is that of the head alone.
 void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks, int64_t block_size,
-                  int64_t position, const int64_t* path, int64_t path_start, int64_t kv_head, int64_t num_kv_heads,
+                  int64_t first, int64_t position, const int64_t* path, int64_t path_start, int64_t kv_head,
+                  int64_t num_kv_heads,
                   int64_t group, int64_t d, float scale, float* scratch, float* out) {
+  // `position` here is the last key index: key index t is key position first + t (a sliding window)
   auto slot = [&](int64_t t) {
-    const int64_t stored = (path != nullptr && t >= path_start) ? path[t - path_start] : t;
+    const int64_t key = first + t;
+    const int64_t stored = (path != nullptr && key >= path_start) ? path[key - path_start] : key;
     return blocks[stored / block_size] * block_size + stored % block_size;
   };
   const int64_t stride = num_kv_heads * d;  // between consecutive slots
