@@ -27,6 +27,7 @@ LAYERS = [
     {"engine"},
     {"llm"},
     {"server", "benchmark", "planner", "training"},
+    {"scaleout"},
     {"cli"},
     {"__init__", "__main__"},
 ]

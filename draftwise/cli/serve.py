@@ -38,20 +38,47 @@ def add_parser(commands) -> None:
     serve.add_argument("--per-request-methods", default=None,
                        help="comma-separated drafters a request may name, built at start-up (default: every drafter "
                             "that needs no model of its own; '' for none)")
+    scale = serve.add_argument_group("scale-out on Ray Serve (README: 'Replicas on Ray Serve')")
+    scale.add_argument("--replicas", type=int, default=None,
+                       help="N engine replicas on a Ray cluster behind one endpoint (default: one engine in this process)")
+    scale.add_argument("--threads-per-replica", type=int, default=1, help="compute threads (and Ray CPUs) of each replica")
+    scale.add_argument("--address", default=None,
+                       help="an existing Ray cluster ('auto', or ray://host:port); default: start a local one")
+    scale.add_argument("--routing", default="affinity", choices=("affinity", "least_loaded", "random"),
+                       help="affinity: a conversation / shared prompt keeps its replica unless it is overloaded, "
+                            "else least outstanding requests (default: affinity)")
     serve.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
+    from draftwise.server.serving import serve
+
+    check_server_arguments(args)
+    if args.replicas is not None:
+        serve_replicated(args)
+        return
+    app, engine = build_server(args)
+    serve(app, engine, args.host, args.port, args.drain_timeout)
+
+
+def check_server_arguments(args: argparse.Namespace) -> None:
+    if args.max_request_bytes < 1024 or args.drain_timeout < 0:
+        raise InvalidParameterError("--max-request-bytes must be at least 1024 and --drain-timeout >= 0")
+    if args.replicas is not None and (args.replicas < 1 or args.threads_per_replica < 1):
+        raise InvalidParameterError("--replicas and --threads-per-replica must be at least 1")
+    if args.replicas is None and (args.address or args.routing != "affinity" or args.threads_per_replica != 1):
+        raise InvalidParameterError("--address, --routing and --threads-per-replica need --replicas")
+
+
+def build_server(args: argparse.Namespace, announce: bool = True):
+    """The engine and its FastAPI app, as `draftwise serve` runs them (one per replica on Ray Serve)."""
     from draftwise.llm import LLM
     from draftwise.server.app import ServerOptions, build_app
     from draftwise.server.async_engine import AsyncEngine
     from draftwise.server.requests import ServerLimits
     from draftwise.server.security import default_allowed_hosts
-    from draftwise.server.serving import serve
     from draftwise.speculative.registry import all_specs
 
-    if args.max_request_bytes < 1024 or args.drain_timeout < 0:
-        raise InvalidParameterError("--max-request-bytes must be at least 1024 and --drain-timeout >= 0")
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb else None
     llm = LLM(args.model, **model_keywords(args),
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
@@ -72,8 +99,49 @@ def run(args: argparse.Namespace) -> None:
                             ServerLimits(max_request_bytes=args.max_request_bytes), args.drain_timeout)
     engine = AsyncEngine(llm)
     app = build_app(engine, args.served_model_name or args.model, options)
-    print(f"serving {args.model} on http://{args.host}:{args.port}/v1"
-          + (f" (speculation: {llm.default_method})" if llm.default_method else "")
-          + (f"; per-request drafters: {', '.join(sorted(llm.engine.drafters))}" if llm.engine.drafters else ""),
-          file=sys.stderr, flush=True)
-    serve(app, engine, args.host, args.port, args.drain_timeout)
+    if announce:
+        print(f"serving {args.model} on http://{args.host}:{args.port}/v1"
+              + (f" (speculation: {llm.default_method})" if llm.default_method else "")
+              + (f"; per-request drafters: {', '.join(sorted(llm.engine.drafters))}" if llm.engine.drafters else ""),
+              file=sys.stderr, flush=True)
+    return app, engine
+
+
+def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
+    """`draftwise serve` arguments from a list (how each Ray Serve replica rebuilds the server)."""
+    parser = argparse.ArgumentParser(prog="draftwise")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def server_from_argv(argv: list[str]):
+    """(app, engine) from `draftwise serve` arguments: what each replica runs."""
+    return build_server(parse_serve_argv(argv), announce=False)
+
+
+def serve_replicated(args: argparse.Namespace) -> None:
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise InvalidParameterError("--replicas runs on Ray Serve, which is not installed: "
+                                    "pip install 'draftwise[scaleout]' (or 'ray[serve]')") from None
+    from draftwise.scaleout.application import ReplicatedServer
+    from draftwise.scaleout.launch import replica_argv, serve_replicas
+    from draftwise.server.security import default_allowed_hosts
+
+    argv = list(getattr(args, "argv", []) or [])
+    argv = argv[argv.index("serve") + 1:] if "serve" in argv else argv
+    hosts = (tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
+             else tuple(default_allowed_hosts(args.host)))
+    config = ReplicatedServer(tuple(replica_argv(argv)), args.replicas, args.threads_per_replica, args.routing,
+                              args.api_key or os.environ.get(API_KEY_ENV) or None, hosts, args.drain_timeout)
+    serve_replicas(config, server_from_argv, host=args.host, port=args.port, address=args.address,
+                   description=args.model)
+
+
+def replicated_app(args: dict):
+    """The Ray Serve application builder for a Serve config file (`import_path:
+    draftwise.cli.serve:replicated_app`; its `args` in `draftwise.scaleout.application`)."""
+    from draftwise.scaleout.application import build
+
+    return build(args, server_from_argv)

@@ -67,6 +67,11 @@ class AsyncEngine:
     def accepting(self) -> bool:
         return self._accepting
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is alive."""
+        return self._thread.is_alive()
+
     # --- handlers' side ---------------------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams, **options) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it runs (each with the text delta since the previous one);

@@ -89,7 +89,7 @@ class HostAllowlist:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or "*" in self.allowed:
             return await self.app(scope, receive, send)
-        host = _host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
+        host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
         if host not in self.allowed:
             return await send_error(send, 400, error_body(
                 f"Host {host!r} is not allowed here (allowed: {', '.join(sorted(self.allowed))}); "
@@ -112,7 +112,7 @@ class ApiKeyAuth:
         return await self.app(scope, receive, send)
 
 
-def _host_name(header: str) -> str:
+def host_name(header: str) -> str:
     """The name of a Host header, without its port ("[::1]:8000" -> "::1")."""
     header = header.strip().lower()
     if header.startswith("["):

@@ -28,6 +28,7 @@ SUITES = {
     "grammar-engines": ("grammar_engines", "llguidance vs xgrammar: compile time, mask time, JSON Schema coverage"),
     "prefix-cache": ("prefix_cache", "a shared system prompt with prefix caching off and on: time to first token"),
     "processors": ("processors", "speculation with penalties on and off; logprobs against plain decoding's"),
+    "replicas": ("replicas", "serve --replicas on Ray Serve: 2 x 1 thread vs 1 x 1 throughput; affinity vs random routing"),
 }
 
 

@@ -1,0 +1,192 @@
+"""The HTTP entry of a replicated server: routes each request to one replica and passes its answer
+through (streams chunk by chunk), answers /health per replica and /metrics for all.
+
+Faults: a replica that fails before answering has the request retried on another (nothing was sent, so
+nothing is lost or doubled); one that dies mid-stream ends that stream with an error event (never a
+silent cut); either way it is marked down, skipped by routing, and probed until Ray Serve has
+restarted it.
+
+(No `from __future__ import annotations` here: FastAPI must see `Request` itself in the signatures of
+the ingress's methods.)
+"""
+
+
+import asyncio
+import json
+import logging
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from draftwise.scaleout.affinity import affinity_key
+from draftwise.scaleout.metrics import IngressMetrics
+from draftwise.scaleout.routing import NoReplicaError, Router
+from draftwise.server.protocol import error_body
+from draftwise.server.security import host_name
+
+logger = logging.getLogger(__name__)
+
+PROBE_SECONDS = 1.0  # how often replicas are asked whether they are up
+PROBE_TIMEOUT = 5.0
+REPLICA_HEADER = "x-draftwise-replica"  # which replica answered (responses carry it)
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
+
+app = FastAPI(title="draftwise (replicated)", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def stream_error_event(message: str) -> bytes:
+    body = error_body(message, "server_error", code="replica_failed")
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, *replicas, routing: str = "affinity", api_key: str | None = None,
+                 allowed_hosts: tuple[str, ...] = ("*",)) -> None:
+        self.replicas = list(replicas)
+        self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
+        self.router = Router(len(self.replicas), routing)
+        self.metrics = IngressMetrics()
+        self.api_key = api_key
+        for index in range(len(self.replicas)):
+            self.metrics.up.labels(str(index)).set(1)
+        self._prober = None
+        self._last_status: list[dict | None] = [None] * len(self.replicas)  # what each replica said last
+        self.draining = False
+
+    # --- health ---------------------------------------------------------------------------
+    async def _probe(self, index: int) -> dict | None:
+        try:
+            return await asyncio.wait_for(self.replicas[index].status.remote(), PROBE_TIMEOUT)
+        except Exception:  # (dead, restarting, or too slow to answer)
+            return None
+
+    async def _probe_forever(self) -> None:
+        while True:
+            results = await asyncio.gather(*(self._probe(i) for i in range(len(self.replicas))))
+            for index, status in enumerate(results):
+                self._last_status[index] = status
+                self._mark(index, status is not None and status["accepting"])
+            await asyncio.sleep(PROBE_SECONDS)
+
+    def _mark(self, index: int, up: bool) -> None:
+        self.router.mark(index, up)
+        self.metrics.up.labels(str(index)).set(1 if up else 0)
+
+    def _ensure_prober(self) -> None:
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests (503, Retry-After; /health 503) and wait up to `timeout` seconds for
+        the running ones to finish. Returns how many were still running."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while sum(self.router.outstanding) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return sum(self.router.outstanding)
+
+    def _draining_response(self) -> Response:
+        return JSONResponse(error_body("the server is shutting down", "server_error", code="server_shutting_down"),
+                            status_code=503, headers={"Retry-After": "1"})
+
+    @app.get("/health")
+    async def health(self):
+        """200 with each replica's state (and process) while any is up; 503 when none is. From the
+        probes every PROBE_SECONDS (the first call waits for one round)."""
+        if self._prober is None:
+            self._ensure_prober()
+            results = await asyncio.gather(*(self._probe(i) for i in range(len(self.replicas))))
+            self._last_status = list(results)
+        replicas = {str(i): {"state": "up" if self.router.up[i] and s is not None else "down",
+                             "pid": s["pid"] if s is not None else None} for i, s in enumerate(self._last_status)}
+        up = any(r["state"] == "up" for r in replicas.values()) and not self.draining
+        return JSONResponse({"status": "ok" if up else ("draining" if self.draining else "unavailable"),
+                             "replicas": replicas},
+                            status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def prometheus(self, request: Request):
+        if (refusal := self._check_key(request)) is not None:
+            return refusal
+        self._ensure_prober()
+
+        async def text_of(index: int) -> str | None:
+            try:
+                chunks = [item async for item in self.replicas[index].options(stream=True).forward.remote(
+                    "GET", "/metrics", "", [], b"")]
+                return b"".join(c for c in chunks if isinstance(c, bytes)).decode()
+            except Exception:
+                return None
+
+        texts = await asyncio.gather(*(text_of(i) for i in range(len(self.replicas))))
+        body = self.metrics.render({i: t for i, t in enumerate(texts) if t is not None})
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- everything else: one replica answers -----------------------------------------------
+    def _check_key(self, request: Request) -> Response | None:
+        """The Host allowlist and the API key, as one server checks them (its replicas take any Host)."""
+        host = host_name(request.headers.get("host", ""))
+        if "*" not in self.allowed_hosts and host not in self.allowed_hosts:
+            return JSONResponse(error_body(f"Host {host!r} is not allowed here (allowed: "
+                                           f"{', '.join(sorted(self.allowed_hosts))}); start the server with "
+                                           "--allowed-hosts to add names", code="invalid_host"), status_code=400)
+        if self.api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            return None
+        return JSONResponse(error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"),
+                            status_code=401)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(self, request: Request, path: str):
+        if (refusal := self._check_key(request)) is not None:
+            return refusal
+        if self.draining:
+            return self._draining_response()
+        self._ensure_prober()
+        body = await request.body()
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+        key = affinity_key(request.url.path, request.headers, body)
+        tried: set[int] = set()
+        while True:
+            try:
+                choice = self.router.choose(key, frozenset(tried))
+            except NoReplicaError:
+                return JSONResponse(error_body("no replica is available; retry later", "server_error",
+                                               code="no_replica"), status_code=503, headers={"Retry-After": "1"})
+            index = choice.replica
+            self.metrics.routed.labels(str(index), choice.outcome).inc()
+            stream = self.replicas[index].options(stream=True).forward.remote(
+                request.method, request.url.path, request.url.query, headers, body)
+            try:
+                head = await stream.__anext__()
+                break
+            except Exception as error:  # failed before answering: nothing sent, so try another replica
+                logger.warning("replica %d failed before answering: %s", index, error)
+                self.router.finished(index)
+                self._mark(index, False)
+                self.metrics.replica_failures.labels(str(index), "before_response").inc()
+                tried.add(index)
+        response_headers = {k: v for k, v in head["headers"] if k.lower() not in _HOP_HEADERS}
+        response_headers[REPLICA_HEADER] = str(index)
+        event_stream = response_headers.get("content-type", "").startswith("text/event-stream")
+
+        async def body_chunks():
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except Exception as error:  # the replica died mid-answer
+                logger.warning("replica %d failed mid-stream: %s", index, error)
+                self._mark(index, False)
+                self.metrics.replica_failures.labels(str(index), "mid_stream").inc()
+                if event_stream:
+                    yield stream_error_event(f"replica {index} failed while streaming: {type(error).__name__}")
+            finally:
+                self.router.finished(index)
+
+        return StreamingResponse(body_chunks(), status_code=head["status"], headers=response_headers)

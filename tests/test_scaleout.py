@@ -1,0 +1,299 @@
+"""Scale-out on Ray Serve: routing and affinity keys (unit), the merged metrics view, and a real local
+Ray cluster running `draftwise serve --replicas 2 --threads-per-replica 1` on the tiny model, driven
+with the official `openai` client: answers and streams pass through, a conversation keeps its
+replica, /metrics labels every replica, a replica killed mid-stream ends that stream with an error
+event while the other serves and Ray restarts it, and SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from draftwise.errors import InvalidParameterError
+from draftwise.scaleout.affinity import affinity_key
+from draftwise.scaleout.launch import READY_LINE, replica_argv
+from draftwise.scaleout.metrics import merge_replica_metrics
+from draftwise.scaleout.routing import NoReplicaError, Router
+
+ray = pytest.importorskip("ray")
+
+CHAT = "/v1/chat/completions"
+
+
+# --- routing ----------------------------------------------------------------------------------
+def test_a_key_keeps_its_replica_and_keys_spread():
+    router = Router(4, "affinity")
+    first = {f"conversation {i}": router.choose(f"conversation {i}").replica for i in range(64)}
+    for key, replica in first.items():
+        router.finished(replica)
+    assert all(router.choose(key).replica == replica for key, replica in first.items())  # (load stays within slack)
+    assert len(set(first.values())) == 4
+
+
+def test_affinity_spills_to_the_next_replica_when_its_own_is_overloaded():
+    router = Router(2, "affinity", load_slack=2)
+    home = router.choose("key").replica
+    choices = [router.choose("key") for _ in range(6)]  # nothing finishes: the home replica fills up
+    assert Counter(c.replica for c in choices)[1 - home] >= 2
+    assert {c.outcome for c in choices} == {"affinity", "spilled"}
+    assert max(router.outstanding) - min(router.outstanding) <= 3
+
+
+def test_down_replicas_are_skipped_and_keys_move_only_off_them():
+    router = Router(3, "affinity")
+    homes = {f"k{i}": router.choose(f"k{i}").replica for i in range(30)}
+    router.outstanding = [0, 0, 0]
+    router.mark(0, False)
+    for key, home in homes.items():
+        replica = router.choose(key).replica
+        router.finished(replica)
+        assert replica != 0 and (home == 0 or replica == home)
+    for replica in (1, 2):
+        router.mark(replica, False)
+    with pytest.raises(NoReplicaError):
+        router.choose("k1")
+
+
+def test_least_loaded_random_and_keyless_requests():
+    router = Router(3, "least_loaded")
+    assert [router.choose("same key").replica for _ in range(3)] == [0, 1, 2]
+    router = Router(3, "affinity")
+    assert [router.choose(None).replica for _ in range(3)] == [0, 1, 2]
+    router = Router(2, "random", seed=0)
+    assert {router.choose("k").replica for _ in range(40)} == {0, 1}
+    assert router.choose("k", exclude=frozenset({0})).replica == 1
+    with pytest.raises(InvalidParameterError, match="routing"):
+        Router(2, "round_robin")
+
+
+# --- affinity keys ------------------------------------------------------------------------------
+def chat(messages: list[dict], **fields) -> bytes:
+    return json.dumps({"model": "m", "messages": messages, **fields}).encode()
+
+
+def test_the_turns_of_a_conversation_share_a_key_and_other_conversations_do_not():
+    system = {"role": "system", "content": "You are terse."}
+    turn1 = [system, {"role": "user", "content": "Name a prime."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "Another."}]
+    other = [system, {"role": "user", "content": "Name a colour."}]
+    key = affinity_key(CHAT, {}, chat(turn1))
+    assert key == affinity_key(CHAT, {}, chat(turn2)) != affinity_key(CHAT, {}, chat(other))
+    assert affinity_key(CHAT, {"x-session-id": "s1"}, chat(other)) == "session:s1"
+    assert affinity_key(CHAT, {}, chat(other, user="alice")) == "user:alice"
+
+
+def test_completion_keys_follow_the_prompts_head_and_junk_has_none():
+    shared = "x" * 2000
+    one = json.dumps({"model": "m", "prompt": shared + " first"}).encode()
+    two = json.dumps({"model": "m", "prompt": shared + " second"}).encode()
+    assert affinity_key("/v1/completions", {}, one) == affinity_key("/v1/completions", {}, two) is not None
+    assert affinity_key("/v1/completions", {}, b"{not json") is None
+    assert affinity_key("/v1/models", {}, b"") is None
+
+
+def test_replica_arguments_leave_the_ingress_flags_out():
+    argv = ["--model", "m", "--replicas", "2", "--host=0.0.0.0", "--port", "9000", "--routing", "random",
+            "--threads-per-replica", "1", "--max-num-seqs", "4", "--api-key", "k"]
+    assert replica_argv(argv) == ["--model", "m", "--max-num-seqs", "4"]
+
+
+def test_metrics_of_replicas_merge_with_a_replica_label():
+    from prometheus_client import CollectorRegistry, Counter as PromCounter, generate_latest
+
+    def replica_text(count: int) -> str:  # (as each replica's /metrics renders it)
+        registry = CollectorRegistry()
+        PromCounter("draftwise:request_success", "Finished requests.", ["model_name"], registry=registry).labels(
+            "m").inc(count)
+        return generate_latest(registry).decode()
+
+    families = {f.name: f for f in merge_replica_metrics({0: replica_text(3), 1: replica_text(5)})}
+    family = families["draftwise:request_success"]
+    totals = {s.labels["replica"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert totals == {"0": 3.0, "1": 5.0}
+
+
+def test_unknown_application_arguments_are_refused_by_name():
+    from draftwise.scaleout.application import build
+
+    with pytest.raises(InvalidParameterError, match="replica_count"):
+        build({"serve_args": ["--model", "m"], "replica_count": 2}, make_server=None)
+
+
+def test_scale_out_flags_are_checked_before_anything_starts(tiny_qwen):
+    from draftwise.scaleout.application import build
+
+    cases = [(("--routing", "random"), "need --replicas"), (("--replicas", "0"), "at least 1"),
+             (("--replicas", "2", "--threads-per-replica", "0"), "at least 1")]
+    for extra, message in cases:
+        result = subprocess.run([sys.executable, "-m", "draftwise", "serve", "--model", str(tiny_qwen), *extra],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    with pytest.raises(InvalidParameterError, match="routing must be one of"):
+        build({"serve_args": [], "routing": "round_robin"}, make_server=None)
+
+
+# --- a real local Ray cluster --------------------------------------------------------------------
+class ReplicatedServer:
+    def __init__(self, model, *extra: str) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "draftwise", "serve", "--model", str(model), "--port", str(self.port),
+                   "--replicas", "2", "--threads-per-replica", "1", "--max-model-len", "512", "--max-num-seqs", "4",
+                   *extra]
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                        env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+        deadline = time.time() + 240
+        for line in self.process.stderr:
+            if READY_LINE in line:
+                break
+            assert time.time() < deadline and self.process.poll() is None, "the replicated server did not start"
+        self.health()  # (its first call waits for one round of probes)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def replicated(tiny_qwen):
+    server = ReplicatedServer(tiny_qwen)
+    yield server
+    server.stop()
+
+
+def test_answers_and_streams_pass_through_equal_to_one_engine(replicated, tiny_qwen):
+    from draftwise import LLM, SamplingParams
+
+    expected = LLM(str(tiny_qwen), max_model_len=512, progress=False).generate(
+        ["def add(a, b):"], SamplingParams(temperature=0, max_tokens=12))[0].text
+    client = replicated.client()
+    answer = client.completions.create(model=str(tiny_qwen), prompt="def add(a, b):", max_tokens=12, temperature=0,
+                                       logprobs=0)
+    streamed = [token for chunk in client.completions.create(model=str(tiny_qwen), prompt="def add(a, b):",
+                                                             max_tokens=12, temperature=0, stream=True, logprobs=0)
+                for token in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])]
+    assert answer.choices[0].text == expected
+    assert streamed == answer.choices[0].logprobs.tokens and len(streamed) == 12  # (the tiny model's text is
+    # often partial UTF-8, which a stream and a whole answer cut differently: tokens compared)
+    with pytest.raises(Exception, match="max_tokens"):  # (the replica's validation, passed through)
+        client.completions.create(model=str(tiny_qwen), prompt="x", max_tokens=-1)
+
+
+def test_a_conversation_keeps_its_replica_and_conversations_use_both(replicated, tiny_qwen):
+    client = replicated.client()
+    served = {}
+    for conversation in range(8):
+        messages = [{"role": "user", "content": f"question {conversation}"}]
+        replicas = set()
+        for _ in range(3):
+            raw = client.chat.completions.with_raw_response.create(model=str(tiny_qwen), messages=messages,
+                                                                    max_tokens=4, temperature=0)
+            replicas.add(raw.headers["x-draftwise-replica"])
+            messages += [{"role": "assistant", "content": raw.parse().choices[0].message.content},
+                         {"role": "user", "content": "and then?"}]
+        assert len(replicas) == 1, replicas
+        served[conversation] = replicas.pop()
+    assert set(served.values()) == {"0", "1"}
+
+
+def test_metrics_label_every_replica(replicated, tiny_qwen):
+    client = replicated.client()
+    for i in range(6):
+        client.completions.create(model=str(tiny_qwen), prompt=f"metrics {i}", max_tokens=2)
+    text = httpx.get(replicated.url + "/metrics", timeout=30).text
+    replicas = {line.split('replica="')[1][0] for line in text.splitlines()
+                if line.startswith("draftwise:request_success_total")}
+    assert replicas == {"0", "1"}
+    assert "draftwise:router_requests_total" in text and 'draftwise:replica_up{replica="1"} 1.0' in text
+    assert replicated.health()["replicas"].keys() == {"0", "1"}
+
+
+def test_a_replica_killed_mid_stream_ends_its_stream_with_an_error_and_comes_back(replicated, tiny_qwen):
+    health = replicated.health()
+    body = {"model": str(tiny_qwen), "prompt": "def add(a, b):", "max_tokens": 480, "stream": True,
+            "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", replicated.url + "/v1/completions", json=body, timeout=120) as response:
+        victim = response.headers["x-draftwise-replica"]
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+                if len(lines) == 3:
+                    os.kill(health["replicas"][victim]["pid"], signal.SIGKILL)
+    assert "replica_failed" in lines[-1] and lines[-1].startswith("data: {\"error\"")
+    assert all("[DONE]" not in line for line in lines)
+    client = replicated.client()
+    for i in range(4):  # the other replica answers meanwhile
+        assert client.completions.create(model=str(tiny_qwen), prompt=f"after {i}", max_tokens=2).choices
+    deadline = time.time() + 120
+    while replicated.health()["replicas"][victim]["state"] != "up":
+        assert time.time() < deadline, "Ray Serve did not restart the replica"
+        time.sleep(1)
+    assert replicated.health()["replicas"][victim]["pid"] != health["replicas"][victim]["pid"]
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_requests(tiny_qwen):
+    server = ReplicatedServer(tiny_qwen, "--drain-timeout", "60")
+    try:
+        body = {"model": str(tiny_qwen), "prompt": "def add(a, b):", "max_tokens": 300, "stream": True,
+                "ignore_eos": True}
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    if len(lines) == 3:
+                        server.process.send_signal(signal.SIGTERM)
+                        time.sleep(0.5)
+                        refused = httpx.post(server.url + "/v1/completions", timeout=30,
+                                             json={"model": str(tiny_qwen), "prompt": "x", "max_tokens": 2})
+        assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()
+
+
+def test_the_replicas_suite_measures_throughput_and_affinity(tiny_qwen, tmp_path, monkeypatch):
+    """`draftwise bench --suite replicas`, shrunk (one round, two requests, two conversations of two
+    turns): every server answers, the tables are there, and affinity keeps each conversation's later
+    turns on the replica that holds its history (hits), which random routing cannot always do."""
+    from draftwise.benchmark.suites import BenchSettings, replicas
+
+    monkeypatch.setattr(replicas, "ROUNDS", 1)
+    monkeypatch.setattr(replicas, "CONVERSATIONS", 2)
+    monkeypatch.setattr(replicas, "TURNS", 2)
+    monkeypatch.setattr(replicas, "SYSTEM", "Be brief. " * 3)  # (the tiny vocabulary spends a token a byte)
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(json.dumps({"category": "code", "prompt": p})
+                                 for p in ("def add(a, b):", "def quicksort(arr):")) + "\n")
+    settings = BenchSettings(output=tmp_path / "out", model=str(tiny_qwen), datasets=(str(traffic),), max_tokens=8,
+                             levels=(2,), requests=2, max_model_len=512, progress=False)
+    report = replicas.run(settings)
+    pooled, affinity = report.data["pooled"], report.data["affinity"]
+    assert all(p["finished"] == p["requests"] == 2 and p["errors"] == 0 for p in pooled.values())
+    assert pooled["1x1"]["speedup"] == 1.0 and pooled["2x1"]["speedup"] > 0
+    assert all(a["answered"] == a["turns"] == 4 for a in affinity.values())
+    assert affinity["affinity"]["hits"] > 0
+    assert "prefix-cache hit rate" in report.markdown and "| 2x1 | 2 x 1 |" in report.markdown
