@@ -4,6 +4,7 @@ the cases where it must predict no gain."""
 import random
 
 import pytest
+import torch
 
 from draftwise.speculative.control.cost_model import CostModel
 from draftwise.planner.simulate import Acceptance, Policy, Request, leviathan_speedup, simulate
@@ -108,8 +109,13 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("draft", "ngram"),
                           drafter_options={"draft": {"model": str(tiny_qwen)}},
                           concurrency=(1, 2, 8), sample=4, max_tokens=16, max_k=3, price_per_mtok=10.0,
-                          tokens_per_day=2e6, validate=True, validate_max_concurrency=2, validate_rounds=2)
+                          tokens_per_day=2e6, validate=True, validate_max_concurrency=2, validate_rounds=2,
+                          replicas=(1, 2), threads_per_replica=1, target_qps=0.01)
+    threads = torch.get_num_threads()
     plan = make_plan(options, progress=lambda line: None)
+    assert torch.get_num_threads() == threads  # (the plan ran at one replica's count, then gave them back)
+    assert plan.fleet["best"][2][8]["shares"] == [4, 4] and plan.fleet["target"]["replicas"] == 1
+    assert "| replicas | clients |" in render(plan)
     assert plan.requests == 4 and plan.segments == {"code": 2, "chat": 2}
     # The clock charges what the profile measured, so the simulated plain run takes just as long as the real one.
     assert plan.calibration == pytest.approx(1.0)
@@ -274,3 +280,34 @@ def test_draft_model_catch_up_is_charged_once_per_backlog_and_capped_by_the_wind
     windowed = simulate(costs, requests, acceptance, Policy(3), 1, expected=True, catch_up_window=100)
     assert charged.seconds - free.seconds == pytest.approx(0.01 * 500)  # the prompt (+1 new token, minus 1)
     assert windowed.seconds - free.seconds == pytest.approx(0.01 * 99)
+
+
+def test_replicas_split_the_clients_and_sum_what_each_serves():
+    from draftwise.planner.fleet import FleetOptions, predict_fleet, share_levels, shares
+
+    assert shares(8, 3) == [3, 3, 2] and shares(1, 2) == [1] and shares(8, 1) == [8]
+    assert share_levels((1, 8), (1, 2)) == (1, 4, 8)
+
+    def point(tokens_per_second, p95):
+        return {"tokens_per_second": tokens_per_second, "latency_p95": p95}
+
+    # one replica: throughput saturates past 4 clients, latency grows with them
+    one = {"plain": {1: point(10, 1.0), 4: point(30, 2.0), 8: point(32, 4.0)},
+           "ngram k=2": {1: point(14, 0.8), 4: point(33, 1.9), 8: point(33, 4.2)}}
+    fleet = predict_fleet(one, (1, 8), FleetOptions((1, 2), 1, target_qps=1.0, slo_p95=2.5), mean_output_tokens=32)
+    two_at_8 = fleet["best"][2][8]
+    assert two_at_8["config"] == "ngram k=2" and two_at_8["tokens_per_second"] == 66 and two_at_8["shares"] == [4, 4]
+    assert fleet["best"][2][1]["tokens_per_second"] == 14  # (one client: the other replica idles)
+    # 1 request/s = 32 tokens/s within 2.5 s: one replica cannot (33 tokens/s only at p95 4.2 s), two can
+    assert fleet["target"]["replicas"] == 2 and fleet["target"]["latency_p95"] <= 2.5
+    assert predict_fleet(one, (8,), FleetOptions((1,), 1, target_qps=5.0), 32)["target"] is None
+
+
+def test_a_target_load_needs_replica_counts():
+    from draftwise.errors import InvalidParameterError
+    from draftwise.planner.plan import PlanOptions
+
+    with pytest.raises(InvalidParameterError, match="needs --replicas"):
+        PlanOptions("t.jsonl", drafters=("ngram",), target_qps=2.0)
+    with pytest.raises(InvalidParameterError, match="at least 1"):
+        PlanOptions("t.jsonl", drafters=("ngram",), replicas=(0, 2))

@@ -38,18 +38,23 @@ def add_parser(commands) -> None:
     plan.add_argument("--validate-max-concurrency", type=int, default=4)
     plan.add_argument("--validate-rounds", type=int, default=3,
                       help="rounds of plain then each drafter at each level; a row is the median of its rounds")
+    plan.add_argument("--replicas", default=None, help="comma-separated replica counts to weigh (serve --replicas): "
+                      "the plan then runs at --threads-per-replica and sums replicas")
+    plan.add_argument("--threads-per-replica", type=int, default=1)
+    plan.add_argument("--target-qps", type=float, default=None, help="with --replicas: requests per second to serve")
+    plan.add_argument("--slo-p95", type=float, default=None, help="with --replicas: the p95 latency allowed, seconds")
     plan.add_argument("--output", default="plan", help="folder for plan.md, plan.json and plan.png")
     add_option_arguments(plan)
     plan.set_defaults(run=run)
 
 
-def levels(text: str) -> tuple[int, ...]:
+def levels(text: str, flag: str = "--concurrency") -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise InvalidParameterError(f"--concurrency must list positive integers, got {text!r}")
+        raise InvalidParameterError(f"{flag} must list positive integers, got {text!r}")
     return values
 
 
@@ -74,7 +79,9 @@ def run(args: argparse.Namespace) -> None:
     options = PlanOptions(args.traffic, args.model, drafters, {e: by_method[drafter_method(e)] for e in drafters},
                           levels(args.concurrency), args.sample, args.max_tokens, args.max_k, args.segment_field,
                           args.price_per_mtok, args.tokens_per_day, args.seed, args.validate,
-                          args.validate_max_concurrency, args.validate_rounds)
+                          args.validate_max_concurrency, args.validate_rounds,
+                          levels(args.replicas, "--replicas") if args.replicas else (), args.threads_per_replica,
+                          args.target_qps, args.slo_p95)
     plan = make_plan(options, progress=lambda line: print(line, file=sys.stderr, flush=True))
     paths = write(plan, Path(args.output))
     print(render(plan))

@@ -24,7 +24,10 @@
 4. Recommend, per concurrency, the fastest configuration; the concurrency from which speculation
    stops paying (no config 2% above plain); the memory a drafter costs (its weights and KV cache,
    and how many fewer sequences fit in the same KV budget); and the cost per day.
-5. With `validate` (`validate.py`), run the real engine at the concurrencies that fit here and compare measured
+5. With replica counts (`fleet.py`): the runs above at one replica's thread count, one replica
+   simulated at each per-replica share of the clients, summed per replica count; the fewest replicas
+   that serve a target load within a latency objective.
+6. With `validate` (`validate.py`), run the real engine at the concurrencies that fit here and compare measured
    throughput, and speedup over plain, with the prediction (plain, each drafter adaptive, and the
    recommended configuration), in rounds.
 
@@ -35,9 +38,10 @@ makes the same machines produce them in 1/s of the time, so the cost becomes pri
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from draftwise.llm import LLM
+from draftwise.planner.fleet import FleetOptions, predict_fleet, share_levels
 from draftwise.planner.measure import PrefillCost, measure_acceptance, plain_requests
 from draftwise.planner.memory import memory_report
 from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, predict, recommend,
@@ -50,6 +54,19 @@ from draftwise.speculative.control.live_costs import LiveCostModel
 
 
 def make_plan(options: PlanOptions, progress=print) -> Plan:
+    if not options.replicas:
+        return _make_plan(options, progress)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(options.threads_per_replica)  # the plan's runs are one replica's
+    try:
+        return _make_plan(options, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _make_plan(options: PlanOptions, progress) -> Plan:
     # each drafter is installed when its acceptance is measured (loading the draft model once). No
     # prefix caching: the plan runs the same sample again and again, which would find its prompts
     # cached where the traffic it stands for would not (the prefills timed would be the cache's).
@@ -110,6 +127,22 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
                 sample_requests=[asdict(r) for r in requests], step_overhead_seconds=overhead,
                 prefill=asdict(prefill) if prefill else None,
                 costs={name: asdict(costs) for name, costs in {"plain": plain_costs, **costs_by_method}.items()})
+    if options.replicas:
+        plan.fleet = fleet_plan(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options,
+                                replays, prefill_seconds)
     if options.validate:
         plan.validation = validate(llm, items, requests, plan, options, progress)
     return plan
+
+
+def fleet_plan(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options: PlanOptions,
+               replays, prefill_seconds) -> dict:
+    """One replica simulated at every per-replica client count the replica counts need, then summed
+    (`fleet.py`)."""
+    needed = share_levels(options.concurrency, options.replicas)
+    one = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests,
+                  replace(options, concurrency=needed), replays, prefill_seconds)
+    by_share = {config: dict(zip(needed, points)) for config, points in one.items()}
+    fleet_options = FleetOptions(options.replicas, options.threads_per_replica, options.target_qps, options.slo_p95)
+    mean_output = sum(r.output_tokens for r in requests) / len(requests)
+    return predict_fleet(by_share, options.concurrency, fleet_options, mean_output)

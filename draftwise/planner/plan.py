@@ -35,6 +35,12 @@ class PlanOptions:
     validate: bool = False
     validate_max_concurrency: int = 4
     validate_rounds: int = 3  # plain and each drafter, run this many times at each level (validate.py)
+    # replicas (`fleet.py`): replica counts weighed (empty: none), each of this many threads (the
+    # plan's runs use that count); a target load and latency picks the fewest that serve it
+    replicas: tuple[int, ...] = ()
+    threads_per_replica: int = 1
+    target_qps: float | None = None
+    slo_p95: float | None = None
 
     def __post_init__(self) -> None:
         self.drafters = tuple(self.drafters) or tuple(spec.name for spec in all_specs() if spec.benchmark_by_default)
@@ -42,6 +48,12 @@ class PlanOptions:
             raise InvalidParameterError(f"drafters are listed twice in {list(self.drafters)}")
         for entry in self.drafters:
             drafter_spec(drafter_method(entry)).parse_options(entry_options(entry))  # bad ones fail before any run
+        if self.replicas and (min(self.replicas) < 1 or self.threads_per_replica < 1):
+            raise InvalidParameterError("replica counts and threads per replica must be at least 1")
+        if (self.target_qps is not None or self.slo_p95 is not None) and not self.replicas:
+            raise InvalidParameterError("a target load or latency (--target-qps, --slo-p95) needs --replicas")
+        if self.target_qps is not None and self.target_qps <= 0 or self.slo_p95 is not None and self.slo_p95 <= 0:
+            raise InvalidParameterError("--target-qps and --slo-p95 must be positive")
 
 
 @dataclass(slots=True)
@@ -71,6 +83,7 @@ class Plan:
     step_overhead_seconds: float = 0.0  # what a real step costs beyond its timed target pass
     prefill: dict | None = None  # `measure.PrefillCost` fitted to every measuring run's prefills
     costs: dict[str, dict] = field(default_factory=dict)  # "plain" and each drafter -> the `CostModel` simulated
+    fleet: dict | None = None  # `fleet.predict_fleet`'s, where replica counts were weighed
 
 
 def drafter_method(entry: str) -> str:

@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from draftwise.planner.fleet import FleetOptions, render_fleet
 from draftwise.planner.plan import PAYS_MARGIN, Plan
 from draftwise.planner.validate import measured_fastest
 from draftwise.plots import plot_against_concurrency
@@ -45,6 +46,9 @@ def render(plan: Plan) -> str:
         lines += ["", "| concurrency | cost/day plain | cost/day with speculation | config |", "|---|---|---|---|"]
         for c, cost in plan.cost_per_day.items():
             lines.append(f"| {c} | {cost['plain_per_day']:.2f} | {cost['with_speculation_per_day']:.2f} | {cost['config']} |")
+    if plan.fleet:
+        lines += render_fleet(plan.fleet, FleetOptions(tuple(options["replicas"]), options["threads_per_replica"],
+                                                       options.get("target_qps"), options.get("slo_p95")))
     if plan.validation:
         rounds = plan.validation[0].get("rounds", 1)
         lines += ["", f"Validation (the real engine on this machine; medians of {rounds} rounds, each a plain run "

@@ -68,8 +68,9 @@ def build(args: dict, make_server):
 def application(config: ReplicatedServer, make_server):
     from draftwise.scaleout.ingress import Ingress
 
+    names = tuple(f"draftwise-replica-{index}" for index in range(config.replicas))
     replicas = [
-        serve.deployment(EngineReplica, name=f"draftwise-replica-{index}", num_replicas=1,
+        serve.deployment(EngineReplica, name=names[index], num_replicas=1,
                          ray_actor_options={"num_cpus": config.threads_per_replica},
                          max_ongoing_requests=config.max_ongoing_requests,
                          graceful_shutdown_timeout_s=config.drain_timeout,
@@ -77,5 +78,5 @@ def application(config: ReplicatedServer, make_server):
             make_server, [*config.serve_args, "--allowed-hosts", "*"],  # (the ingress checks Host names)
             config.threads_per_replica, index)
         for index in range(config.replicas)]
-    return Ingress.options(name="draftwise-ingress").bind(*replicas, routing=config.routing, api_key=config.api_key,
-                                                          allowed_hosts=config.allowed_hosts)
+    return Ingress.options(name="draftwise-ingress").bind(*replicas, replica_names=names, routing=config.routing,
+                                                          api_key=config.api_key, allowed_hosts=config.allowed_hosts)

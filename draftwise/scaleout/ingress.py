@@ -44,39 +44,66 @@ def stream_error_event(message: str) -> bytes:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, *replicas, routing: str = "affinity", api_key: str | None = None,
-                 allowed_hosts: tuple[str, ...] = ("*",)) -> None:
-        self.replicas = list(replicas)
+    def __init__(self, *replicas, replica_names: tuple[str, ...] = (), routing: str = "affinity",
+                 api_key: str | None = None, allowed_hosts: tuple[str, ...] = ("*",)) -> None:
+        self.replicas, self.replica_names = list(replicas), tuple(replica_names)
         self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
         self.router = Router(len(self.replicas), routing)
         self.metrics = IngressMetrics()
         self.api_key = api_key
         for index in range(len(self.replicas)):
-            self.metrics.up.labels(str(index)).set(1)
+            self.router.mark(index, False)  # (until a probe hears from it)
+            self.metrics.up.labels(str(index)).set(0)
         self._prober = None
         self._last_status: list[dict | None] = [None] * len(self.replicas)  # what each replica said last
         self.draining = False
 
     # --- health ---------------------------------------------------------------------------
-    async def _probe(self, index: int) -> dict | None:
+    async def _running(self) -> list[bool]:
+        """Which replica deployments Ray Serve reports with a running replica. (Requests sent through
+        a handle before its deployment has one wait in Ray Serve's router; probes cancelled there
+        at their timeout stalled a fresh replica's first requests for minutes. So replicas are
+        probed only once running.)"""
+        def read() -> list[bool]:
+            app = serve.status().applications.get(serve.get_replica_context().app_name)
+            if app is None:
+                return [False] * len(self.replicas)
+            return [app.deployments.get(name) is not None
+                    and app.deployments[name].replica_states.get("RUNNING", 0) > 0 for name in self.replica_names]
+
+        try:
+            return await asyncio.to_thread(read)
+        except Exception:  # (the controller is busy or restarting: ask again next round)
+            return [self.router.up[i] for i in range(len(self.replicas))]
+
+    async def _probe(self, index: int, running: bool) -> dict | None:
+        if not running:
+            return None
         try:
             return await asyncio.wait_for(self.replicas[index].status.remote(), PROBE_TIMEOUT)
         except Exception:  # (dead, restarting, or too slow to answer)
             return None
 
+    async def _probe_round(self) -> None:
+        running = await self._running()
+        results = await asyncio.gather(*(self._probe(i, running[i]) for i in range(len(self.replicas))))
+        for index, status in enumerate(results):
+            self._last_status[index] = status
+            self._mark(index, status is not None and status["accepting"])
+
     async def _probe_forever(self) -> None:
         while True:
-            results = await asyncio.gather(*(self._probe(i) for i in range(len(self.replicas))))
-            for index, status in enumerate(results):
-                self._last_status[index] = status
-                self._mark(index, status is not None and status["accepting"])
+            await self._probe_round()
             await asyncio.sleep(PROBE_SECONDS)
 
     def _mark(self, index: int, up: bool) -> None:
         self.router.mark(index, up)
         self.metrics.up.labels(str(index)).set(1 if up else 0)
 
-    def _ensure_prober(self) -> None:
+    async def _ensure_prober(self) -> None:
+        """The probes run from the first request on (the first waits for one round)."""
+        if self._prober is None:
+            await self._probe_round()
         if self._prober is None or self._prober.done():
             self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
 
@@ -95,12 +122,9 @@ class Ingress:
 
     @app.get("/health")
     async def health(self):
-        """200 with each replica's state (and process) while any is up; 503 when none is. From the
-        probes every PROBE_SECONDS (the first call waits for one round)."""
-        if self._prober is None:
-            self._ensure_prober()
-            results = await asyncio.gather(*(self._probe(i) for i in range(len(self.replicas))))
-            self._last_status = list(results)
+        """200 with each replica's state (and process) while any is up; 503 when none is (or while
+        starting or draining). From the probes every PROBE_SECONDS."""
+        await self._ensure_prober()
         replicas = {str(i): {"state": "up" if self.router.up[i] and s is not None else "down",
                              "pid": s["pid"] if s is not None else None} for i, s in enumerate(self._last_status)}
         up = any(r["state"] == "up" for r in replicas.values()) and not self.draining
@@ -112,7 +136,7 @@ class Ingress:
     async def prometheus(self, request: Request):
         if (refusal := self._check_key(request)) is not None:
             return refusal
-        self._ensure_prober()
+        await self._ensure_prober()
 
         async def text_of(index: int) -> str | None:
             try:
@@ -148,7 +172,7 @@ class Ingress:
             return refusal
         if self.draining:
             return self._draining_response()
-        self._ensure_prober()
+        await self._ensure_prober()
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
         key = affinity_key(request.url.path, request.headers, body)
@@ -177,16 +201,21 @@ class Ingress:
         event_stream = response_headers.get("content-type", "").startswith("text/event-stream")
 
         async def body_chunks():
+            finished = False
             try:
                 async for chunk in stream:
                     yield chunk
+                finished = True
             except Exception as error:  # the replica died mid-answer
+                finished = True
                 logger.warning("replica %d failed mid-stream: %s", index, error)
                 self._mark(index, False)
                 self.metrics.replica_failures.labels(str(index), "mid_stream").inc()
                 if event_stream:
                     yield stream_error_event(f"replica {index} failed while streaming: {type(error).__name__}")
             finally:
+                if not finished:  # the client went away: the replica's request is aborted (a disconnect there)
+                    stream.cancel()
                 self.router.finished(index)
 
         return StreamingResponse(body_chunks(), status_code=head["status"], headers=response_headers)

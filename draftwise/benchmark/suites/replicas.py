@@ -39,7 +39,7 @@ def run(settings: BenchSettings) -> SuiteReport:
     max_tokens = settings.max_tokens or 64
     prompts = prompts_for(settings, 2, max_tokens)[:settings.requests]
     common = ["--model", settings.model, "--max-num-seqs", str(clients), "--max-model-len",
-              str(settings.max_model_len)]
+              str(settings.max_model_len), "--per-request-methods", ""]  # (plain servers: no drafter built)
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     order = list(CONFIGS)
     for round_index in range(ROUNDS):
