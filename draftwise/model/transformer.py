@@ -72,7 +72,7 @@ class Transformer(nn.Module):
         self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
         if config.local_rope_theta is not None:  # sliding layers' own base, plain RoPE (Gemma 3)
             self._local_inv_freq, _ = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
-        self._sliding = [config.is_sliding(i) and config.local_rope_theta is not None
+        self._local_rope = [config.is_sliding(i) and config.local_rope_theta is not None
                          for i in range(config.num_hidden_layers)]
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, *,
@@ -103,11 +103,11 @@ class Transformer(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = {False: self.rotary(positions, x.dtype)}
-        if any(self._sliding):
+        if any(self._local_rope):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, positions, *rotations[self._sliding[index]], cache)
+            x = layer(x, positions, *rotations[self._local_rope[index]], cache)
             if index in capture_layers:
                 captured[index] = x
         return x, captured
