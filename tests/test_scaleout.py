@@ -132,7 +132,8 @@ def test_scale_out_flags_are_checked_before_anything_starts(tiny_qwen):
     from draftwise.scaleout.application import build
 
     cases = [(("--routing", "random"), "need --replicas"), (("--replicas", "0"), "at least 1"),
-             (("--replicas", "2", "--threads-per-replica", "0"), "at least 1")]
+             (("--replicas", "2", "--threads-per-replica", "0"), "at least 1"),
+             (("--replicas", "2", "--allowed-origins", "https://app.example"), "--allowed-origins (CORS) is not")]
     for extra, message in cases:
         result = subprocess.run([sys.executable, "-m", "draftwise", "serve", "--model", str(tiny_qwen), *extra],
                                 capture_output=True, text=True, timeout=120)

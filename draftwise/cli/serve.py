@@ -68,6 +68,9 @@ def check_server_arguments(args: argparse.Namespace) -> None:
         raise InvalidParameterError("--replicas and --threads-per-replica must be at least 1")
     if args.replicas is None and (args.address or args.routing != "affinity" or args.threads_per_replica != 1):
         raise InvalidParameterError("--address, --routing and --threads-per-replica need --replicas")
+    if args.replicas is not None and args.allowed_origins:
+        raise InvalidParameterError("--allowed-origins (CORS) is not supported with --replicas yet: the ingress "
+                                    "answers no preflight requests")
 
 
 def build_server(args: argparse.Namespace, announce: bool = True):

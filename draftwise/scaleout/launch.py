@@ -15,7 +15,7 @@ from draftwise.scaleout.application import ReplicatedServer, application
 
 # `draftwise serve` flags the ingress or Ray take; the rest configure each replica's engine
 _INGRESS_FLAGS = ("--replicas", "--threads-per-replica", "--address", "--routing", "--host", "--port", "--api-key",
-                  "--allowed-hosts", "--allowed-origins")
+                  "--allowed-hosts")
 READY_LINE = "replicated server ready"
 APP_NAME = "draftwise"
 
