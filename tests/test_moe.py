@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftwise import LLM, SamplingParams
+from draftwise import LLM
 from draftwise.loading.hf_folder import load_model
 from draftwise.model.moe import SparseMoE
-from tests.drafting import DRAFTERS, assert_drafted
+from tests.lossless_suite import assert_row_logits_independent_of_pass, assert_speculation_equals_plain
 from tests.test_model_reference import reference_logits
 from tests.tiny_models import write_tiny_model
 
@@ -48,36 +48,13 @@ def test_every_expert_is_routed_to(moe_model):
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_a_rows_logits_do_not_depend_on_its_pass(moe_model, quantization):
     """The same token's logits alone, as the last of a 5-token verification, and beside other rows."""
-    llm = LLM(str(moe_model), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization)
-    runner, ids = llm.runner, TOKENS[0][:20]
-    alone = runner.allocate()
-    runner.forward([alone], [ids[:15]], [1])
-    for token in ids[15:19]:
-        runner.forward([alone], [[token]], [1])
-    single = runner.forward([alone], [[ids[19]]], [1]).logits[0]
-    verifying, other = runner.allocate(), runner.allocate()
-    runner.forward([verifying, other], [ids[:15], TOKENS[0][20:35]], [1, 1])
-    batched = runner.forward([verifying, other], [ids[15:20], TOKENS[0][35:40]], [5, 5]).logits[4]
-    assert torch.equal(single, batched)
+    assert_row_logits_independent_of_pass(moe_model, quantization, TOKENS[0])
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("drafter", ["draft=target", "random draft", "ngram", "suffix"])
 def test_speculation_on_a_moe_target_equals_plain(moe_model, drafter, quantization, random_draft, drafting_pays):
-    params = SamplingParams(temperature=0, max_tokens=24)
-    plain = LLM(str(moe_model), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization)
-    spec = DRAFTERS[drafter](moe_model, random_draft)
-    if spec["method"] == "draft":  # (the draft model's weights as the target's: the same logits)
-        spec["quantization"] = quantization
-    llm = LLM(str(moe_model), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization,
-              speculative=spec)
-    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    solo = [llm.generate(p, params)[0] for p in PROMPTS]
-    batched = llm.generate(PROMPTS, params)
-    assert [o.token_ids for o in solo] == expected and [o.token_ids for o in batched] == expected
-    assert_drafted(solo + batched, accepted=drafter == "draft=target")
-    if drafter == "draft=target":
-        assert llm.spec_metrics.acceptance_rate == 1.0
+    assert_speculation_equals_plain(moe_model, drafter, quantization, random_draft, PROMPTS)
 
 
 def test_moe_from_gguf(moe_model, tmp_path_factory, gguf_cache, monkeypatch):

@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from draftwise import LLM, SamplingParams
+from draftwise import LLM
 from draftwise.loading.convert import convert_gguf
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.model.transformer import Transformer
-from tests.drafting import DRAFTERS, assert_drafted
+from tests.lossless_suite import assert_row_logits_independent_of_pass, assert_speculation_equals_plain
 from tests.test_model_reference import reference_logits
 from tests.tiny_models import SLIDING_WINDOW, write_tiny_gguf, write_tiny_model
 
@@ -73,37 +73,14 @@ def test_the_cache_attends_over_the_window_as_a_full_pass_does(model_folder):
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_a_rows_logits_do_not_depend_on_its_pass(model_folder, quantization):
     """The same token's logits alone, as the last of a 5-token verification, and beside other rows."""
-    llm = LLM(str(model_folder), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization)
-    runner, ids = llm.runner, TOKENS[0][:20]
-    alone = runner.allocate()
-    runner.forward([alone], [ids[:15]], [1])
-    for token in ids[15:19]:
-        runner.forward([alone], [[token]], [1])
-    single = runner.forward([alone], [[ids[19]]], [1]).logits[0]
-    verifying, other = runner.allocate(), runner.allocate()
-    runner.forward([verifying, other], [ids[:15], TOKENS[0][20:35]], [1, 1])
-    batched = runner.forward([verifying, other], [ids[15:20], TOKENS[0][35:40]], [5, 5]).logits[4]
-    assert torch.equal(single, batched)
+    assert_row_logits_independent_of_pass(model_folder, quantization, TOKENS[0])
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("drafter", ["draft=target", "draft=target tree", "random draft", "ngram", "suffix",
                                      "layer_skip"])
 def test_speculation_equals_plain(model_folder, drafter, quantization, random_draft, drafting_pays):
-    params = SamplingParams(temperature=0, max_tokens=24)
-    plain = LLM(str(model_folder), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization)
-    spec = DRAFTERS[drafter](model_folder, random_draft)
-    if spec["method"] == "draft":  # (the draft model's weights as the target's: the same logits)
-        spec["quantization"] = quantization
-    llm = LLM(str(model_folder), max_model_len=256, max_num_seqs=4, progress=False, quantization=quantization,
-              speculative=spec)
-    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    solo = [llm.generate(p, params)[0] for p in PROMPTS]
-    batched = llm.generate(PROMPTS, params)
-    assert [o.token_ids for o in solo] == expected and [o.token_ids for o in batched] == expected
-    assert_drafted(solo + batched, accepted=drafter.startswith("draft=target"))
-    if drafter == "draft=target":  # (a tree's side leaves are refused by design)
-        assert llm.spec_metrics.acceptance_rate == 1.0
+    assert_speculation_equals_plain(model_folder, drafter, quantization, random_draft, PROMPTS)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "gemma3_text"])
