@@ -85,10 +85,12 @@ class LLMRecipe:
     max_model_len: int = 4096
     native_kernels: bool = True  # False: quantized layers on PyTorch's packed kernels
     int8_activations: bool = True  # False: quantized layers keep bf16 activations (else as measured here)
+    native_layers: bool = True  # False: decoder layers op by op from Python (the same kernels)
     prefix_caching: bool = True  # LLM(enable_prefix_caching=...)
 
     def build(self):
         from draftwise.llm import LLM
+        from draftwise.model import native_decoder
         from draftwise.quant import activation_choice, native
 
         overrides = {}
@@ -96,6 +98,8 @@ class LLMRecipe:
             overrides[NATIVE_KERNELS_ENV] = "0"  # read when the layers are built
         if not self.int8_activations:
             overrides[activation_choice.ACTIVATIONS_ENV] = "0"
+        if not self.native_layers:
+            overrides[native_decoder.NATIVE_LAYERS_ENV] = "0"  # read when each model is built
         with _environment(overrides):
             if overrides:
                 native.kernels.cache_clear()

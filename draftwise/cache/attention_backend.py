@@ -94,7 +94,7 @@ def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     scale = dim ** -0.5 if scale is None else scale
     flat = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # [N, Hq, D]
     if path is None:
-        path_start = path = _NO_PATH
+        path_start = path = NO_PATH
     if torch.compiler.is_compiling():
         out = _paged_attention_op(flat, keys, values, block_tables, block_size, query_rows, positions, path_start, path,
                                   scale, window)
@@ -104,7 +104,7 @@ def native_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
-_NO_PATH = torch.empty(0, dtype=torch.long)
+NO_PATH = torch.empty(0, dtype=torch.long)
 
 
 def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, host_positions: list[list[int]],

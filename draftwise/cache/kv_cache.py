@@ -18,6 +18,7 @@ import torch
 
 from draftwise.cache import attention_backend
 from draftwise.cache.block_manager import BlockManager
+from draftwise.model.native_decoder import KernelPlan
 
 
 def zeroed_storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -141,6 +142,17 @@ class KVCacheView:
             return attention_backend.per_query_attention(q, k, v, self.host_positions, self.host_keys,
                                                          scale=scale, window=window)
         return attention_backend.masked_attention(q, k, v, positions, scale=scale, window=window)
+
+    def kernel_plan(self) -> KernelPlan | None:
+        """This pass for native decoder layers (`draftwise/model/native_decoder.py`), or None where the
+        cache's attention is not the native kernel."""
+        if self.cache.kernel != "native":
+            return None
+        no_path = attention_backend.NO_PATH
+        return KernelPlan(attention_backend.native_kernels().entry_points["paged_attention"], self.cache.keys,
+                          self.cache.values, self._write_slots, self._block_tables, self.cache.blocks.block_size,
+                          self._query_rows, self._positions, no_path if self._path is None else self._path_start,
+                          no_path if self._path is None else self._path)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, length, D] of this view's rows (the SDPA paths)."""

@@ -30,6 +30,10 @@ class OneDNNLinear(nn.Module):
         self.packed_weight = linear.weight.detach().to_mkldnn()  # opaque oneDNN layout, [out, in]
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
+    def native_linear(self) -> tuple:
+        """For native decoder layers (`native_decoder.NativeLinear`'s fields), which call the same op."""
+        return "onednn", None, (self.packed_weight,), self.bias, self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]
         if rows.shape[0] == 1:

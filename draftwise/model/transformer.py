@@ -17,6 +17,7 @@ from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import RMSNorm, SwiGLU
 from draftwise.model.moe import SparseMoE
+from draftwise.model import native_decoder
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
@@ -74,6 +75,26 @@ class Transformer(nn.Module):
             self._local_inv_freq, _ = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
         self._local_rope = [config.is_sliding(i) and config.local_rope_theta is not None
                          for i in range(config.num_hidden_layers)]
+        self._native_layers: dict[int, tuple[tuple, object]] = {}  # layer index -> (built from, native layer or None)
+        self.native_layers = native_decoder.wanted()  # False: every layer in Python (to compare the two)
+
+    def _apply(self, fn, recurse=True):  # (.to(), .float(), ...: the native layers hold the old tensors)
+        self._native_layers.clear()
+        return super()._apply(fn, recurse)
+
+    def native_layer(self, index: int):
+        """Layer `index` as one native call (`native_decoder.py`), or None where it has no native form;
+        built again when its parts were replaced (quantization swaps modules)."""
+        layer = self.layers[index]
+        if type(layer) is not DecoderLayer:
+            return None
+        attention, mlp = layer.self_attn, layer.mlp
+        parts = (attention.qkv_proj, attention.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None),
+                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        built = self._native_layers.get(index)
+        if built is None or any(a is not b for a, b in zip(built[0], parts)):
+            built = self._native_layers[index] = (parts, native_decoder.build_layer(layer, self.config))
+        return built[1]
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, *,
                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +126,25 @@ class Transformer(nn.Module):
         rotations = {False: self.rotary(positions, x.dtype)}
         if any(self._local_rope):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
+        native_pass = self._native_pass(cache, x)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, positions, *rotations[self._local_rope[index]], cache)
+            native_layer = None if native_pass is None else self.native_layer(index)
+            if native_layer is not None:
+                x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
+            else:
+                x = layer(x, positions, *rotations[self._local_rope[index]], cache)
             if index in capture_layers:
                 captured[index] = x
         return x, captured
+
+    def _native_pass(self, cache: KVCacheView | None, x: torch.Tensor):
+        """The pass in native form where native layers can run it: float32 on the CPU, eager, over a
+        cache with the native attention kernel; else None."""
+        if not self.native_layers or cache is None or x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+            return None
+        plan = getattr(cache, "kernel_plan", None)
+        return native_decoder.native_pass(plan()) if plan is not None else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [..., H] -> logits [..., V]."""

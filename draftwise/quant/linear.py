@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftwise.model.native_decoder import NativeLinear
 from draftwise.quant import native_ops
 from draftwise.quant.activation_choice import int8_activations
 from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels
@@ -105,6 +106,16 @@ class Int4Linear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def native_linear(self) -> NativeLinear | None:
+        """This layer's native matmul, for native decoder layers (None: PyTorch's kernel, which has none)."""
+        if self.kernels is None or not _float_bias(self.bias):
+            return None
+        entry = self.kernels.entry_points
+        if self.int8_activations:
+            return NativeLinear("int4_q8", entry["int4_matmul_q8"], (self.strips,), _detached(self.bias), self.out_features)
+        return NativeLinear("int4_bf16", entry["int4_matmul"], (self.nibbles, self.scale_min), _detached(self.bias),
+                            self.out_features)
+
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer computes with (for tests)."""
         if self.kernels is not None:
@@ -117,6 +128,14 @@ class Int4Linear(nn.Module):
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float().contiguous()
+
+
+def _float_bias(bias: torch.Tensor | None) -> bool:
+    return bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()
 
 
 def _unpacked(state: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -186,6 +205,17 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def native_linear(self) -> NativeLinear | None:
+        """This layer's native matmul, for native decoder layers (None: PyTorch's kernel, which has none)."""
+        if self.kernels is None or not _float_bias(self.bias):
+            return None
+        entry = self.kernels.entry_points
+        if self.int8_activations:
+            return NativeLinear("int8_q8", entry["int8_matmul_q8"], (self.strips, self.scales_float), _detached(self.bias),
+                                self.out_features)
+        return NativeLinear("int8_bf16", entry["int8_matmul"], (self.weight_int8, self.scales_float), _detached(self.bias),
+                            self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         if self.int8_activations:

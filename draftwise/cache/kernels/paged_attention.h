@@ -103,4 +103,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache, batch-invariant (fp32)");
+  // entry points for the fused decoder layer (model/kernels/decoder_layer.cpp), which calls this very code
+  m.attr("entry_points") = pybind11::dict(
+      pybind11::arg("paged_attention") = pybind11::capsule(reinterpret_cast<void*>(&paged_attention)));
 }

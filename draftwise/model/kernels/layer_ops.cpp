@@ -180,4 +180,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x float [M, H]");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of x [B, H, S, D] by cos, sin [B, 1, S, D]");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [M, 2I]");
+  // entry points for the fused decoder layer (model/kernels/decoder_layer.cpp), which calls this very code
+  m.attr("entry_points") = pybind11::dict(
+      pybind11::arg("rms_norm") = pybind11::capsule(reinterpret_cast<void*>(&rms_norm)),
+      pybind11::arg("apply_rotary") = pybind11::capsule(reinterpret_cast<void*>(&apply_rotary)),
+      pybind11::arg("silu_mul") = pybind11::capsule(reinterpret_cast<void*>(&silu_mul)));
 }
