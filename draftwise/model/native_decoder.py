@@ -65,6 +65,11 @@ class KernelPlan(NamedTuple):
     path: torch.Tensor  # [B*S, T] or [0]
 
 
+def source_digest() -> str:
+    """Names the build this machine uses (cost profiles measured without it are not its)."""
+    return native.chosen_digest(BUILDS)
+
+
 def wanted() -> bool:
     """Whether a model built now runs its layers natively where it can (DRAFTWISE_NATIVE_LAYERS=0: never)."""
     return os.environ.get(NATIVE_LAYERS_ENV, "1") != "0"

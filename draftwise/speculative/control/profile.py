@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from draftwise.model import native_layer_ops
+from draftwise.model import native_decoder, native_layer_ops
 from draftwise.paths import cache_root
 from draftwise.quant.activation_choice import ACTIVATIONS_ENV
 from draftwise.quant.native import kernels as native_kernels
@@ -65,6 +65,8 @@ def configuration_key(*parts: object) -> str:
     kernels = f"native-{source_digest()}" if native_kernels() is not None else "aten"
     if native_layer_ops.layer_ops() is not None:
         kernels += f", layer ops {native_layer_ops.source_digest()}"
+        if native_decoder.wanted() and native_decoder.decoder_module() is not None:
+            kernels += f", native layers {native_decoder.source_digest()}"
     if os.environ.get(ACTIVATIONS_ENV) == "0":
         kernels += ", bf16 activations"
     return " | ".join(str(part) for part in (*parts, f"threads={torch.get_num_threads()}",
