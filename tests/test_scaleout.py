@@ -27,6 +27,7 @@ from draftwise.scaleout.routing import NoReplicaError, Router
 ray = pytest.importorskip("ray")
 
 CHAT = "/v1/chat/completions"
+REQUEST_LIMIT = 65536
 
 
 # --- routing ----------------------------------------------------------------------------------
@@ -128,6 +129,32 @@ def test_unknown_application_arguments_are_refused_by_name():
         build({"serve_args": ["--model", "m"], "replica_count": 2}, make_server=None)
 
 
+def test_the_ingress_reads_no_body_past_its_limit():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from draftwise.scaleout.ingress import limited_body
+
+    def request(chunks: list[bytes], length: int | None):
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+        read = []
+
+        async def receive():
+            read.append(1)
+            return messages[len(read) - 1]
+
+        headers = [] if length is None else [(b"content-length", str(length).encode())]
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive), read
+
+    whole, read = request([b"a" * 600, b"b" * 600], None)
+    assert asyncio.run(limited_body(whole, 2048)) == b"a" * 600 + b"b" * 600
+    over, read = request([b"a" * 600, b"b" * 600, b"c" * 600, b"d" * 600], None)  # no length said: read until over
+    assert asyncio.run(limited_body(over, 1024)) is None and len(read) == 2
+    declared, read = request([b"a" * 10], 5000)  # its Content-Length says it is too large: nothing read
+    assert asyncio.run(limited_body(declared, 1024)) is None and read == []
+
+
 def test_scale_out_flags_are_checked_before_anything_starts(tiny_qwen):
     from draftwise.scaleout.application import build
 
@@ -140,6 +167,8 @@ def test_scale_out_flags_are_checked_before_anything_starts(tiny_qwen):
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     with pytest.raises(InvalidParameterError, match="routing must be one of"):
         build({"serve_args": [], "routing": "round_robin"}, make_server=None)
+    with pytest.raises(InvalidParameterError, match="max_request_bytes must be"):
+        build({"serve_args": [], "max_request_bytes": 10}, make_server=None)
 
 
 # --- a real local Ray cluster --------------------------------------------------------------------
@@ -178,7 +207,7 @@ class ReplicatedServer:
 
 @pytest.fixture(scope="module")
 def replicated(tiny_qwen):
-    server = ReplicatedServer(tiny_qwen)
+    server = ReplicatedServer(tiny_qwen, "--max-request-bytes", str(REQUEST_LIMIT))
     yield server
     server.stop()
 
@@ -199,6 +228,10 @@ def test_answers_and_streams_pass_through_equal_to_one_engine(replicated, tiny_q
     # often partial UTF-8, which a stream and a whole answer cut differently: tokens compared)
     with pytest.raises(Exception, match="max_tokens"):  # (the replica's validation, passed through)
         client.completions.create(model=str(tiny_qwen), prompt="x", max_tokens=-1)
+    too_large = httpx.post(replicated.url + "/v1/completions", timeout=30,
+                           json={"model": str(tiny_qwen), "prompt": "word " * REQUEST_LIMIT, "max_tokens": 2})
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+    assert "x-draftwise-replica" not in too_large.headers  # refused by the ingress itself
 
 
 def test_a_conversation_keeps_its_replica_and_conversations_use_both(replicated, tiny_qwen):

@@ -137,7 +137,8 @@ def serve_replicated(args: argparse.Namespace) -> None:
     hosts = (tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
              else tuple(default_allowed_hosts(args.host)))
     config = ReplicatedServer(tuple(replica_argv(argv)), args.replicas, args.threads_per_replica, args.routing,
-                              args.api_key or os.environ.get(API_KEY_ENV) or None, hosts, args.drain_timeout)
+                              args.api_key or os.environ.get(API_KEY_ENV) or None, hosts, args.drain_timeout,
+                              max_request_bytes=args.max_request_bytes)
     serve_replicas(config, server_from_argv, host=args.host, port=args.port, address=args.address,
                    description=args.model)
 

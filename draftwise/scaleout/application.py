@@ -12,6 +12,7 @@ the replicas `draftwise serve`'s way of building a server from its flags):
           threads_per_replica: 1
           routing: affinity            # or least_loaded, random
           serve_args: ["--model", "qwen2.5-coder-0.5b", "--max-num-seqs", "8"]
+          max_request_bytes: 8388608   # the ingress answers 413 above it, before reading the rest
 
 `serve_args` are `draftwise serve`'s own flags (the model, speculation, limits): every replica builds
 its engine from them. Each replica is a deployment of its own (`draftwise-replica-<i>`, one Ray
@@ -28,6 +29,7 @@ from ray import serve
 from draftwise.errors import InvalidParameterError
 from draftwise.scaleout.replica import EngineReplica
 from draftwise.scaleout.routing import POLICIES
+from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
 
 HEALTH_CHECK_SECONDS = 2.0
 
@@ -42,15 +44,18 @@ class ReplicatedServer:
     allowed_hosts: tuple[str, ...] = ("*",)  # Host names the ingress answers
     drain_timeout: float = 30.0
     max_ongoing_requests: int = 256  # per replica: its engine queues what it cannot batch yet
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # the ingress refuses larger bodies (413)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.extra:
             raise InvalidParameterError(f"unknown scale-out argument(s): {', '.join(sorted(self.extra))} "
                                         "(known: replicas, threads_per_replica, routing, api_key, allowed_hosts, drain_timeout, "
-                                        "max_ongoing_requests, serve_args)")
+                                        "max_ongoing_requests, max_request_bytes, serve_args)")
         if self.replicas < 1 or self.threads_per_replica < 1:
             raise InvalidParameterError("replicas and threads_per_replica must be at least 1")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise InvalidParameterError(f"max_request_bytes must be an integer of at least 1024, got {self.max_request_bytes!r}")
         if self.routing not in POLICIES:
             raise InvalidParameterError(f"routing must be one of {', '.join(POLICIES)}, got {self.routing!r}")
 
@@ -58,7 +63,7 @@ class ReplicatedServer:
 def build(args: dict, make_server):
     """The application from a Serve config's `args` (see above); make_server(argv) -> (app, engine)."""
     known = {"serve_args", "replicas", "threads_per_replica", "routing", "api_key", "allowed_hosts", "drain_timeout",
-             "max_ongoing_requests"}
+             "max_ongoing_requests", "max_request_bytes"}
     config = ReplicatedServer(**{k: (tuple(v) if k in ("serve_args", "allowed_hosts") else v)
                                  for k, v in args.items() if k in known},
                               extra={k: v for k, v in args.items() if k not in known})
@@ -79,4 +84,5 @@ def application(config: ReplicatedServer, make_server):
             config.threads_per_replica, index)
         for index in range(config.replicas)]
     return Ingress.options(name="draftwise-ingress").bind(*replicas, replica_names=names, routing=config.routing,
-                                                          api_key=config.api_key, allowed_hosts=config.allowed_hosts)
+                                                          api_key=config.api_key, allowed_hosts=config.allowed_hosts,
+                                                          max_request_bytes=config.max_request_bytes)

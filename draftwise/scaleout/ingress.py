@@ -24,6 +24,7 @@ from draftwise.scaleout.affinity import affinity_key
 from draftwise.scaleout.metrics import IngressMetrics
 from draftwise.scaleout.routing import NoReplicaError, Router
 from draftwise.server.protocol import error_body
+from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
 from draftwise.server.security import host_name
 
 logger = logging.getLogger(__name__)
@@ -41,16 +42,33 @@ def stream_error_event(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+async def limited_body(request: Request, limit: int) -> bytes | None:
+    """The request's body, or None once it is known to exceed `limit` bytes (by its Content-Length, or
+    while reading: the rest is never read)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, *replicas, replica_names: tuple[str, ...] = (), routing: str = "affinity",
-                 api_key: str | None = None, allowed_hosts: tuple[str, ...] = ("*",)) -> None:
+                 api_key: str | None = None, allowed_hosts: tuple[str, ...] = ("*",),
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.replicas, self.replica_names = list(replicas), tuple(replica_names)
         self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
         self.router = Router(len(self.replicas), routing)
         self.metrics = IngressMetrics()
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
         for index in range(len(self.replicas)):
             self.router.mark(index, False)  # (until a probe hears from it)
             self.metrics.up.labels(str(index)).set(0)
@@ -173,7 +191,10 @@ class Ingress:
         if self.draining:
             return self._draining_response()
         await self._ensure_prober()
-        body = await request.body()
+        body = await limited_body(request, self.max_request_bytes)
+        if body is None:  # (as one server answers it: nothing of it reaches a replica)
+            return JSONResponse(error_body(f"the request body is larger than this server's limit of "
+                                           f"{self.max_request_bytes} bytes", code="request_too_large"), status_code=413)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
         key = affinity_key(request.url.path, request.headers, body)
         tried: set[int] = set()
