@@ -213,10 +213,14 @@ def replicated(tiny_qwen):
 
 
 def test_answers_and_streams_pass_through_equal_to_one_engine(replicated, tiny_qwen):
-    from draftwise import LLM, SamplingParams
-
-    expected = LLM(str(tiny_qwen), max_model_len=512, progress=False).generate(
-        ["def add(a, b):"], SamplingParams(temperature=0, max_tokens=12))[0].text
+    # One engine at the replicas' thread count: each count has its own measured kernel choices
+    # (`quant/activation_choice.py`), so an engine on two threads may round otherwise.
+    one_engine = ("import json, torch; torch.set_num_threads(1); from draftwise import LLM, SamplingParams; "
+                  f"llm = LLM({str(tiny_qwen)!r}, max_model_len=512, progress=False); print(json.dumps(llm.generate("
+                  "['def add(a, b):'], SamplingParams(temperature=0, max_tokens=12))[0].text))")
+    result = subprocess.run([sys.executable, "-c", one_engine], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    expected = json.loads(result.stdout.strip().splitlines()[-1])
     client = replicated.client()
     answer = client.completions.create(model=str(tiny_qwen), prompt="def add(a, b):", max_tokens=12, temperature=0,
                                        logprobs=0)
