@@ -33,6 +33,9 @@ class KVCacheView(Protocol):
         """Causal attention of q [B, Hq, S, D] at positions [B, S] over the layer's keys (the last
         `window` of them up to each query's position; 0: all), scores scaled by `scale`: [B, Hq, S, D]."""
 
+    # Optional: kernel_plan() -> native_decoder.KernelPlan | None, the pass for native decoder layers
+    # (a view without it, or answering None, has every layer run in Python).
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:

@@ -75,11 +75,11 @@ class Transformer(nn.Module):
             self._local_inv_freq, _ = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
         self._local_rope = [config.is_sliding(i) and config.local_rope_theta is not None
                          for i in range(config.num_hidden_layers)]
-        self._native_layers: dict[int, tuple[tuple, object]] = {}  # layer index -> (built from, native layer or None)
+        self._native_built: dict[int, tuple[tuple, object]] = {}  # layer index -> (built from, native layer or None)
         self.native_layers = native_decoder.wanted()  # False: every layer in Python (to compare the two)
 
     def _apply(self, fn, recurse=True):  # (.to(), .float(), ...: the native layers hold the old tensors)
-        self._native_layers.clear()
+        self._native_built.clear()
         return super()._apply(fn, recurse)
 
     def native_layer(self, index: int):
@@ -91,9 +91,9 @@ class Transformer(nn.Module):
         attention, mlp = layer.self_attn, layer.mlp
         parts = (attention.qkv_proj, attention.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None),
                  layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        built = self._native_layers.get(index)
+        built = self._native_built.get(index)
         if built is None or any(a is not b for a, b in zip(built[0], parts)):
-            built = self._native_layers[index] = (parts, native_decoder.build_layer(layer, self.config))
+            built = self._native_built[index] = (parts, native_decoder.build_layer(layer, self.config))
         return built[1]
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, *,
