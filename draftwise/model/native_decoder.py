@@ -102,7 +102,8 @@ def describe_linear(linear: nn.Module) -> NativeLinear | None:
     if type(linear) is nn.Linear:
         return float_linear(linear)
     describe = getattr(linear, "native_linear", None)
-    return None if describe is None or describe() is None else NativeLinear(*describe())
+    described = None if describe is None else describe()
+    return None if described is None else NativeLinear(*described)
 
 
 def build_layer(layer: nn.Module, config) -> Any | None:

@@ -16,8 +16,8 @@ from torch import nn
 from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import RMSNorm, SwiGLU
-from draftwise.model.moe import SparseMoE
 from draftwise.model import native_decoder
+from draftwise.model.moe import SparseMoE
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
