@@ -144,6 +144,25 @@ def encode_q4k(weight: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def encode_q6k(weight: np.ndarray) -> np.ndarray:
+    """A simple Q6_K encoder: per 16-weight sub-block an int8 scale times a per-256 fp16 `d`, weights
+    6-bit (q - 32). Returns bytes [rows, cols / 256 * 210] in ggml's block_q6_K layout."""
+    rows, cols = weight.shape
+    blocks = weight.astype(np.float32).reshape(-1, 16, 16)  # [blocks, sub-blocks, 16]
+    spans = np.abs(blocks).max(axis=-1) / 31  # [blocks, 16]
+    d = (spans.max(axis=-1) / 127).astype(np.float16)
+    sc = np.clip(np.round(spans / np.maximum(d.astype(np.float32), 1e-8)[:, None]), 1, 127).astype(np.int8)
+    step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-8)  # [blocks, 16]
+    q = (np.clip(np.round(blocks / step[..., None]), -32, 31) + 32).astype(np.uint8)  # [blocks, 16, 16]
+    q = q.reshape(-1, 2, 4, 32)  # halves of 128: chunks of 32
+    low, high = q & 0x0F, q >> 4
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=-1)  # [b, 2, 64]
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)  # [b, 2, 32]
+    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
+                         axis=1)
+    return out.reshape(rows, -1)
+
+
 def _stacked_experts(tensors: dict, config: dict) -> dict[str, np.ndarray]:
     """Pop a mixture of experts' tensors from an HF checkpoint and return them as llama.cpp names and
     stacks them: the router, each expert kind as one [E, out, in] tensor, a shared expert and its gate."""
@@ -173,12 +192,15 @@ def _stacked_experts(tensors: dict, config: dict) -> dict[str, np.ndarray]:
 
 
 def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False,
-                    q4k_except: tuple[str, ...] = (), chat_template: str | None = CHAT_TEMPLATE,
+                    q4k_except: tuple[str, ...] = (), q6k_for: tuple[str, ...] = (),
+                    chat_template: str | None = CHAT_TEMPLATE,
                     metadata: dict | None = None, extra_tensors: dict | None = None) -> Path:
     """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out.
 
     q4k_except: weight names containing one of these stay out of Q4_K (Q8_0 if quantize_q8), the
     way a Q4_K_M file keeps some tensors wider.
+    q6k_for: weight names containing one of these are stored as Q6_K (as Q4_K_M does the LM head and
+    half the down projections).
     chat_template: stored as `tokenizer.chat_template` (None: the file has none).
     """
     import gguf
@@ -254,7 +276,9 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
             heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
             array = permute_rotary(array, heads)
         wider = any(part in name for part in q4k_except)
-        if quantize_q4k and array.ndim == 2 and array.shape[1] % 256 == 0 and not wider:
+        if any(part in name for part in q6k_for) and array.ndim == 2 and array.shape[1] % 256 == 0:
+            writer.add_tensor(gguf_name, encode_q6k(array), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        elif quantize_q4k and array.ndim == 2 and array.shape[1] % 256 == 0 and not wider:
             writer.add_tensor(gguf_name, encode_q4k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
         elif quantize_q8 and array.ndim == 2:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),

@@ -86,12 +86,13 @@ class LLMRecipe:
     native_kernels: bool = True  # False: quantized layers on PyTorch's packed kernels
     int8_activations: bool = True  # False: quantized layers keep bf16 activations (else as measured here)
     native_layers: bool = True  # False: decoder layers op by op from Python (the same kernels)
+    superblock_kernels: bool = True  # False: GGUF Q4_K/Q6_K layers in int4/int8 strips, not their own super-blocks
     prefix_caching: bool = True  # LLM(enable_prefix_caching=...)
 
     def build(self):
         from draftwise.llm import LLM
         from draftwise.model import native_decoder
-        from draftwise.quant import activation_choice, native
+        from draftwise.quant import activation_choice, native, superblock_strips
 
         overrides = {}
         if not self.native_kernels:
@@ -100,6 +101,8 @@ class LLMRecipe:
             overrides[activation_choice.ACTIVATIONS_ENV] = "0"
         if not self.native_layers:
             overrides[native_decoder.NATIVE_LAYERS_ENV] = "0"  # read when each model is built
+        if not self.superblock_kernels:
+            overrides[superblock_strips.SUPERBLOCKS_ENV] = "0"  # read when the layers are built
         with _environment(overrides):
             if overrides:
                 native.kernels.cache_clear()

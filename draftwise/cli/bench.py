@@ -43,7 +43,7 @@ def add_parser(commands) -> None:
     bench.add_argument("--hostile", type=int, default=500, help="abuse: hostile requests beside the ordinary streams")
     bench.add_argument("--fixed-k", type=int, default=3, help="adaptive: the fixed k to compare with")
     bench.add_argument("--formats", default=None,
-                       help="plain, quantization: FORMAT, FORMAT:bf16 (activations kept bf16), FORMAT:pytorch or FORMAT:python (decoder layers op by op from Python), comma-separated, the first the baseline")
+                       help="plain, quantization: FORMAT, FORMAT:bf16 (activations kept bf16), FORMAT:pytorch, FORMAT:python (decoder layers op by op from Python) or FORMAT:strips (GGUF Q4_K/Q6_K in int4/int8 strips), comma-separated, the first the baseline")
     bench.add_argument("--eval-tokens", type=int, default=1536, help="quantization: tokens of the quality sample")
     bench.add_argument("--device", default=None, help="gpu: cpu, cuda, cuda:N (default: cuda if present)")
     bench.add_argument("--dtype", default=None, help="gpu: float32, bfloat16 (default: bf16 on CUDA)")

@@ -3,9 +3,10 @@
 The folder holds config.json, tokenizer.json, tokenizer_config.json and fp32 safetensors shards;
 after the conversion, loading reads only safetensors (seconds instead of the minute GGUF parsing
 and dequantization take). Tensors the file stores as Q4_K also keep their 4-bit groups
-(`q4k-*.safetensors`: `<name>.quants` packed two per byte, `<name>.scales`, `<name>.minimums`), so
-int4 inference uses the file's own quantization. A `draftwise.json` marker written last makes a
-folder complete.
+(`q4k-*.safetensors`: `<name>.quants` packed two per byte, `<name>.scales`, `<name>.minimums`), and
+Q4_K and Q6_K tensors their super-block integers (`superblocks-*.safetensors`: Q4_K's `<name>.d`,
+`.dmin`, `.sub_scales`, `.sub_mins`; Q6_K's `<name>.q`, `.sub_scales`, `.d`), so int4 inference uses
+the file's own quantization. A `draftwise.json` marker written last makes a folder complete.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from draftwise.loading.gguf_file import GGUFFile
 from draftwise.loading.gguf_tokenizer import build_tokenizer
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 MARKER = "draftwise.json"
 SHARD_BYTES = 1 << 30
 
@@ -77,6 +78,7 @@ def convert_gguf(gguf_path: Path, folder: Path, progress: bool = True) -> Path:
 
     weights = _ShardWriter(partial, "model")
     groups = _ShardWriter(partial, "q4k")
+    superblocks = _ShardWriter(partial, "superblocks")
     bar = tqdm(total=gguf.num_tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
     stored_types = {}
     for tensor in gguf.tensors():
@@ -88,9 +90,12 @@ def convert_gguf(gguf_path: Path, folder: Path, progress: bool = True) -> Path:
             groups.add(f"{tensor.name}.quants", torch.from_numpy(np.ascontiguousarray(packed)))
             groups.add(f"{tensor.name}.scales", torch.from_numpy(scales.copy()))
             groups.add(f"{tensor.name}.minimums", torch.from_numpy(minimums.copy()))
+        for key, part in (tensor.superblocks or {}).items():
+            superblocks.add(f"{tensor.name}.{key}", torch.from_numpy(np.ascontiguousarray(part)))
         bar.update()
     weights.close()
     groups.close()
+    superblocks.close()
     bar.close()
 
     (partial / MARKER).write_text(json.dumps({

@@ -86,6 +86,8 @@ class GGUFTensor:
     type_name: str  # how the file stores it: F32, Q4_K, Q6_K, ...
     weight: np.ndarray  # float32, PyTorch's [out, in] layout
     q4k_groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (quants, scales, minimums) if stored as Q4_K
+    # Q4_K: its factors (`q4k_factors`); Q6_K: its integers (`q6k_values`); per row, like the weight
+    superblocks: dict[str, np.ndarray] | None = None
 
 
 class GGUFFile:
@@ -250,7 +252,8 @@ class GGUFFile:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        from draftwise.quant.q4k import q4k_to_groups
+        from draftwise.quant.q4k import q4k_factors, q4k_to_groups
+        from draftwise.quant.q6k import q6k_values
 
         for tensor in self._reader.tensors:
             if tensor.name == "rope_freqs.weight":  # (read into the config: `_rope_scaling`)
@@ -271,12 +274,17 @@ class GGUFFile:
             array = array.reshape(shape)
             if self.architecture == "gemma3" and name.endswith("norm.weight"):
                 array = array - GEMMA3_NORM_SHIFT  # (as Hugging Face stores it; loading adds it back)
-            groups = None
+            groups, superblocks = None, None
             if tensor.tensor_type == GGMLQuantizationType.Q4_K and len(shape) == 2:
                 groups = q4k_to_groups(tensor.data, *shape)
+                superblocks = q4k_factors(tensor.data, *shape)
+            elif tensor.tensor_type == GGMLQuantizationType.Q6_K and len(shape) == 2:
+                superblocks = q6k_values(tensor.data, *shape)
             if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
                 heads = self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
                 array = unpermute_rotary(array, heads)
                 if groups is not None:
                     groups = tuple(unpermute_rotary(part, heads) for part in groups)
-            yield GGUFTensor(name, tensor.tensor_type.name, array, groups)
+                if superblocks is not None:
+                    superblocks = {key: unpermute_rotary(part, heads) for key, part in superblocks.items()}
+            yield GGUFTensor(name, tensor.tensor_type.name, array, groups, superblocks)

@@ -27,7 +27,7 @@ def read_config(folder: Path) -> ModelConfig:
 
 def _read_tensors(folder: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by our names ("model." dropped); `only` these names if given."""
-    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith(("q4k-", "packed-")))
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith(("q4k-", "superblocks-", "packed-")))
     if not files:
         raise ModelFormatError(f"{folder}: no *.safetensors weight files")
     tensors: dict[str, torch.Tensor] = {}

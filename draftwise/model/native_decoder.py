@@ -38,8 +38,8 @@ BUILDS = (  # no intrinsics of its own: one build per ISA only so that it follow
 
 
 class NativeLinear(NamedTuple):
-    """How a linear layer computes, for the native layer: `kind` is "int4_q8", "int8_q8", "int4_bf16" or
-    "int8_bf16" (a quantized layer: `function` its matmul's entry point, `tensors` its packed weight
+    """How a linear layer computes, for the native layer: `kind` is "int4_q8", "int8_q8", "int4_bf16",
+    "int8_bf16", "q4k_q8" or "q6k_q8" (a quantized layer: `function` its matmul's entry point, `tensors` its packed weight
     and scales), "onednn" (`OneDNNLinear`: tensors = (prepacked weight,)) or "float" (an `nn.Linear`:
     tensors = (weight,))."""
     kind: str

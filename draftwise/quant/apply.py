@@ -1,8 +1,11 @@
 """Replace a model's linear layers by weight-only quantized ones.
 
 Policy for `int4`, per linear layer (fused q/k/v and gate/up count as one):
-  - every part stored as Q4_K in the GGUF file -> int4 from the file's own 4-bit groups (exact);
-  - any part stored with more bits (Q5_0, Q6_K, Q8_0, ...) -> int8 per channel, keeping that precision;
+  - every part stored as Q4_K in the GGUF file -> int4 from the file's own 4-bit groups (exact; with
+    the Q4_K kernel, in the file's own super-blocks);
+  - every part stored as Q6_K, where this machine has the Q6_K kernel -> Q6_K as the file holds it
+    (exact, 6.5625 bits a weight; `q6k_linear.py`);
+  - any other part stored with more bits (Q5_0, Q6_K, Q8_0, ...) -> int8 per channel, keeping that precision;
   - float checkpoints (F32/F16/BF16, HF folders) -> int4 quantized here (group 32, asymmetric).
 `int4_all` (llama.cpp calls the like "pure"): every part in int4, the Q4_K ones from the file and the
 wider ones quantized here; faster (about 0.55x the step time of `int4` for the 0.5B, whose GGUF is
@@ -27,6 +30,7 @@ from draftwise.errors import InvalidParameterError
 from draftwise.model.config import ModelConfig
 from draftwise.quant.embedding import Int4Embedding
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
+from draftwise.quant.q6k_linear import Q6KLinear, q6k_kernel_available
 
 QUANTIZATIONS = ("auto", "int4", "int4_all", "int8", "none")
 _FLOAT_TYPES = {None, "F32", "F16", "BF16", "F64"}
@@ -38,10 +42,12 @@ class QuantizationReport:
     int4_from_file: list[str] = field(default_factory=list)  # layers using the GGUF's own Q4_K groups
     int4_quantized: list[str] = field(default_factory=list)  # layers quantized to int4 here
     int8: list[str] = field(default_factory=list)
+    q6k_from_file: list[str] = field(default_factory=list)  # layers computing with the GGUF's own Q6_K blocks
     embedding: str = "float"  # "float", "int4 from the file's Q4_K" or "int4 quantized here"
 
     def summary(self) -> str:
         return (f"{self.mode}: {len(self.int4_from_file)} layers int4 from the file's Q4_K, "
+                f"{len(self.q6k_from_file)} Q6_K from the file, "
                 f"{len(self.int4_quantized)} int4 quantized here, {len(self.int8)} int8; embedding {self.embedding}")
 
 
@@ -95,6 +101,23 @@ def read_q4k_groups(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     return groups
 
 
+def read_superblocks(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The super-block integers a conversion kept (`convert.py`): name -> Q4_K's d, dmin, sub_scales,
+    sub_mins or Q6_K's q, sub_scales, d."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for file in sorted(folder.glob("superblocks-*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                name, kind = key.removeprefix("model.").rsplit(".", 1)
+                parts.setdefault(name, {})[kind] = handle.get_tensor(key)
+    return parts
+
+
+def _joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Fused parts' super-block tensors, rows after rows."""
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+
 def stored_types(folder: Path) -> dict[str, str]:
     marker = folder / "draftwise.json"
     return json.loads(marker.read_text()).get("gguf_types", {}) if marker.is_file() else {}
@@ -113,6 +136,7 @@ def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> Quantiza
     """Quantize `model`'s linear layers in place (mode "int4", "int4_all" or "int8")."""
     report = QuantizationReport(mode)
     groups = read_q4k_groups(folder) if mode.startswith("int4") and folder is not None else {}
+    superblocks = read_superblocks(folder) if mode.startswith("int4") and folder is not None else {}
     types = stored_types(folder) if folder is not None else {}
     for path, sources in linear_sources(model.config).items():
         parent_path, _, attribute = path.rpartition(".")
@@ -121,12 +145,19 @@ def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> Quantiza
         weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach().clone()
         names = [name for name, _ in sources]
         wider = not all(name in groups or types.get(name) in _FLOAT_TYPES for name in names)
-        if mode == "int8" or (mode == "int4" and wider):
+        q6k = all(types.get(name) == "Q6_K" and name in superblocks for name in names)
+        if mode == "int4" and q6k and q6k_kernel_available(weight.shape[1]):
+            joined = _joined([superblocks[name] for name in names])
+            replacement = Q6KLinear(joined["q"], joined["sub_scales"], joined["d"], bias)
+            report.q6k_from_file.append(path)
+        elif mode == "int8" or (mode == "int4" and wider):
             replacement = Int8Linear(weight, bias)
             report.int8.append(path)
         else:
             parts, from_file = _int4_parts(weight, sources, groups)
-            replacement = Int4Linear(*(torch.cat(tensors) for tensors in zip(*parts)), bias)
+            q4k = from_file and all(types.get(name) == "Q4_K" and name in superblocks for name in names)
+            factors = _joined([superblocks[name] for name in names]) if q4k else None
+            replacement = Int4Linear(*(torch.cat(tensors) for tensors in zip(*parts)), bias, factors=factors)
             (report.int4_from_file if from_file else report.int4_quantized).append(path)
         setattr(parent, attribute, replacement)
     _quantize_embedding(model, mode, groups, types, report)

@@ -14,6 +14,10 @@ PyTorch's kernels cost 0.38 ms per row in bf16 but 11.8 ms (int4) / 5.7 ms (int8
 activations (a generic path). So activations are rounded to bf16 on the way in and the output
 returns in the caller's dtype. Both paths compute every row the same way whatever the number of rows.
 
+An int4 layer made of GGUF Q4_K tensors (`factors`: their super-block integers) takes the Q4_K
+kernel instead of int4 strips wherever int8 activations are chosen: the same weights, exactly
+(no fp16 rounding of d * sc), in 4.625 bits a weight instead of 5 (`superblock_strips.py`).
+
 Both kinds may instead quantize their activations to int8 per group of 32 inputs and multiply
 with byte dot products (`int4_matmul_q8`, `int8_matmul_q8`: VNNI on AVX-512, vpmaddubsw on AVX2;
 weights in strips of 16 channels: `pack_strips`, `pack_int8_strips`), where that measured faster on
@@ -30,6 +34,7 @@ from draftwise.model.native_decoder import NativeLinear
 from draftwise.quant import native_ops
 from draftwise.quant.activation_choice import int8_activations
 from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels
+from draftwise.quant.superblock_strips import SUPER, kernel_available, pack_q4k_strips, strip_nibbles, unpack_q4k_strips, unstrip_nibbles
 
 INT4_GROUP = 32
 NATIVE_K_MULTIPLE = 64  # the native kernels take input features in pairs of groups
@@ -38,14 +43,20 @@ KERNEL_DTYPE = torch.bfloat16  # activations and scales inside the kernels
 
 class Int4Linear(nn.Module):
     def __init__(self, quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
-                 bias: torch.Tensor | None, *, native: bool = True) -> None:
+                 bias: torch.Tensor | None, *, native: bool = True, factors: dict[str, torch.Tensor] | None = None) -> None:
         """quants uint8 [N, K] in 0..15; scales, minimums float32 [N, K/32]; weight = scale * q - minimum.
-        native=False keeps PyTorch's kernel even where the native ones are available."""
+        native=False keeps PyTorch's kernel even where the native ones are available. factors: where
+        the weight is GGUF Q4_K, its sub_scales, sub_mins uint8 [N, K/32] and d, dmin fp16 [N, K/256]
+        with scale = d * sub_scale and minimum = dmin * sub_min."""
         super().__init__()
         self.out_features, self.in_features = quants.shape
         self.bias = bias
         self.kernels = native_kernels() if native else None
         self.int8_activations = self.kernels is not None and int8_activations("int4", *quants.shape)
+        if self.int8_activations and factors is not None and _q4k_kernel_available(self.in_features):
+            self.q4k_strips = pack_q4k_strips(quants, factors["sub_scales"], factors["sub_mins"],
+                                              factors["d"], factors["dmin"])
+            return
         if self.int8_activations:
             self.strips = pack_strips(quants, scales, minimums)
             return
@@ -73,11 +84,15 @@ class Int4Linear(nn.Module):
         if native_kernels() is None:
             raise ValueError("packed for the native kernels, which are not available")
         n, k = (int(v) for v in state["shape"])
-        if int8_activations("int4", n, k) != ("strips" in state):  # measured again since: the other layout
-            return cls(*_unpacked(state, n, k), bias)  # (or no bf16 kernel here: PyTorch's)
+        if "q4k_strips" in state and not (int8_activations("int4", n, k) and _q4k_kernel_available(k)):
+            return cls(*_unpacked(state, n, k), bias)  # measured again since: the bf16 kernel
+        if "strips" in state and not int8_activations("int4", n, k) or "nibbles" in state and int8_activations("int4", n, k):
+            return cls(*_unpacked(state, n, k), bias)  # measured again since: the other layout (or no bf16 kernel here: PyTorch's)
         layer.kernels, layer.out_features, layer.in_features = native_kernels(), n, k
-        layer.int8_activations = "strips" in state
-        if layer.int8_activations:
+        layer.int8_activations = "strips" in state or "q4k_strips" in state
+        if "q4k_strips" in state:
+            layer.q4k_strips = state["q4k_strips"]
+        elif layer.int8_activations:
             layer.strips = state["strips"]
         else:
             layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
@@ -85,6 +100,8 @@ class Int4Linear(nn.Module):
 
     def packed_state(self) -> dict[str, torch.Tensor]:
         shape = torch.tensor([self.out_features, self.in_features])
+        if hasattr(self, "q4k_strips"):
+            return {"q4k_strips": self.q4k_strips, "shape": shape}
         if self.int8_activations:
             return {"strips": self.strips, "shape": shape}
         if self.kernels is not None:
@@ -92,7 +109,10 @@ class Int4Linear(nn.Module):
         return {"packed_weight": self.packed_weight, "scales_and_zeros": self.scales_and_zeros}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_activations:
+        if hasattr(self, "q4k_strips"):
+            flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
+            out = native_ops.q4k_q8(flat, self.q4k_strips, self.out_features)  # [M, N] float32
+        elif self.int8_activations:
             flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
             out = native_ops.int4_q8(flat, self.strips, self.out_features)  # [M, N] float32
         elif self.kernels is not None:
@@ -111,6 +131,8 @@ class Int4Linear(nn.Module):
         if self.kernels is None or not _float_bias(self.bias):
             return None
         entry = self.kernels.entry_points
+        if hasattr(self, "q4k_strips"):
+            return NativeLinear("q4k_q8", entry["q4k_matmul_q8"], (self.q4k_strips,), _detached(self.bias), self.out_features)
         if self.int8_activations:
             return NativeLinear("int4_q8", entry["int4_matmul_q8"], (self.strips,), _detached(self.bias), self.out_features)
         return NativeLinear("int4_bf16", entry["int4_matmul"], (self.nibbles, self.scale_min), _detached(self.bias),
@@ -138,8 +160,16 @@ def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
 
 
+def _q4k_kernel_available(in_features: int) -> bool:
+    return kernel_available("q4k_matmul_q8", in_features)
+
+
 def _unpacked(state: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, ...]:
-    """quants, scales, minimums of a native layer's packed state (either layout)."""
+    """quants, scales, minimums of a native layer's packed state (any layout)."""
+    if "q4k_strips" in state:
+        quants, sub_scales, sub_mins, d, dmin = unpack_q4k_strips(state["q4k_strips"], n, k)
+        return (quants, d.float().repeat_interleave(SUPER // INT4_GROUP, 1) * sub_scales.float(),
+                dmin.float().repeat_interleave(SUPER // INT4_GROUP, 1) * sub_mins.float())
     if "strips" in state:
         return unpack_strips(state["strips"], n, k)
     return unpack_from_native(state["nibbles"], state["scale_min"], n, k)
@@ -268,10 +298,7 @@ def pack_strips(quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tens
     scales [16] and minimums [16]. Channels padded to a multiple of 16 with zero weights."""
     n, k = quants.shape
     pad = -n % STRIP
-    quants = torch.nn.functional.pad(quants.to(torch.uint8), (0, 0, 0, pad))  # [N16, K]
-    groups = quants.view(-1, STRIP, k // INT4_GROUP, 2, 4, 4)  # [N/16, 16 (c), K/32, 2 (half), 4 (t), 4 (j)]
-    nibbles = groups[:, :, :, 0] | (groups[:, :, :, 1] << 4)  # [N/16, 16 (c), K/32, 4 (t), 4 (j)]
-    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(-1, k // INT4_GROUP, 256)  # [N/16, K/32, t c j]
+    nibbles = strip_nibbles(torch.nn.functional.pad(quants.to(torch.uint8), (0, 0, 0, pad)))  # [N/16, K/32, t c j]
 
     def per_strip(values: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> fp16 bytes [N/16, K/32, 32]
         values = torch.nn.functional.pad(values.float(), (0, 0, 0, pad)).half()
@@ -282,8 +309,7 @@ def pack_strips(quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tens
 
 def unpack_strips(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, ...]:
     """The inverse of `pack_strips`: quants uint8 [N, K], scales and minimums float32 [N, K/32]."""
-    nibbles = packed[..., :256].reshape(-1, k // INT4_GROUP, 4, STRIP, 4).permute(0, 3, 1, 2, 4)  # [N/16, c, K/32, t, j]
-    quants = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(-1, k)[:n]  # [N, K]
+    quants = unstrip_nibbles(packed[..., :256], k)[:n]  # [N, K]
 
     def per_channel(raw: torch.Tensor) -> torch.Tensor:  # fp16 bytes [N/16, K/32, 32] -> float [N, K/32]
         return raw.contiguous().view(torch.float16).transpose(1, 2).reshape(-1, k // INT4_GROUP)[:n].float()

@@ -55,6 +55,30 @@ def _(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_features:
     return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
 
+@torch.library.custom_op("draftwise::q4k_matmul_q8", mutates_args=())
+def q4k_matmul_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x float32 [M, K] (quantized to int8 per group of 32 inside) times GGUF Q4_K weights in strips:
+    float32 [M, out_features]."""
+    return kernels().q4k_matmul_q8(x, strips, out_features)
+
+
+@q4k_matmul_q8.register_fake
+def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+@torch.library.custom_op("draftwise::q6k_matmul_q8", mutates_args=())
+def q6k_matmul_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x float32 [M, K] (quantized to int8 per group of 32 inside) times GGUF Q6_K weights in strips:
+    float32 [M, out_features]."""
+    return kernels().q6k_matmul_q8(x, strips, out_features)
+
+
+@q6k_matmul_q8.register_fake
+def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
 def int4(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return int4_matmul(x, nibbles, scale_min, out_features)
@@ -77,3 +101,15 @@ def int8_q8(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_fea
     if torch.compiler.is_compiling():
         return int8_matmul_q8(x, strips, scales, out_features)
     return kernels().int8_matmul_q8(x, strips, scales, out_features)
+
+
+def q4k_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return q4k_matmul_q8(x, strips, out_features)
+    return kernels().q4k_matmul_q8(x, strips, out_features)
+
+
+def q6k_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return q6k_matmul_q8(x, strips, out_features)
+    return kernels().q6k_matmul_q8(x, strips, out_features)

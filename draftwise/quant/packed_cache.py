@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -31,8 +32,10 @@ from draftwise.quant.embedding import Int4Embedding
 from draftwise.quant.linear import Int4Linear, Int8Linear
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.native import source_digest
+from draftwise.quant.q6k_linear import Q6KLinear
+from draftwise.quant.superblock_strips import SUPERBLOCKS_ENV
 
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 EMBEDDING = "embed_tokens"
 
 
@@ -40,6 +43,8 @@ def cache_path(folder: Path, mode: str) -> Path:
     capability = torch.backends.cpu.get_cpu_capability().lower()
     version = torch.__version__.replace("+", "-")
     path = f"native{source_digest()}" if native_kernels() is not None else "aten"
+    if os.environ.get(SUPERBLOCKS_ENV, "1") == "0":
+        path += "-strips"  # (Q4_K and Q6_K in the older layouts: a cache of their own)
     return folder / f"packed-{mode}-{path}-torch{version}-{capability}-f{CACHE_FORMAT}.safetensors"
 
 
@@ -106,7 +111,7 @@ def load_packed(path: Path, model: nn.Module) -> QuantizationReport | None:
                 state = {key.removeprefix(f"{name}."): tensor(key) for key in keys
                          if key.startswith(f"{name}.") and "." not in key.removeprefix(f"{name}.")}
                 bias = state.pop("bias", None)
-                kind = Int8Linear if name in report.int8 else Int4Linear
+                kind = Int8Linear if name in report.int8 else Q6KLinear if name in report.q6k_from_file else Int4Linear
                 layers[name] = kind.from_packed(state, bias)
             embedding = {key.removeprefix(f"{EMBEDDING}."): tensor(key) for key in keys if key.startswith(f"{EMBEDDING}.")}
             if embedding:

@@ -29,3 +29,19 @@ def q4k_to_groups(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np
     minimums = dmin * sub_mins.astype(np.float32)  # [n, 8]
     return (quants.reshape(rows, cols), scales.reshape(rows, cols // GROUP),
             minimums.reshape(rows, cols // GROUP))
+
+
+def q4k_factors(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """The integers and super-block scales behind `q4k_to_groups`' scales and minimums, for the
+    kernel that keeps them as the file does (4.625 bits a weight instead of 5): d and dmin fp16
+    [rows, cols / 256], sub_scales and sub_mins uint8 [rows, cols / 32] (6-bit), with
+    scale = d * sub_scale and minimum = dmin * sub_min exactly."""
+    from gguf.quants import Q4_K
+
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, BLOCK_BYTES)
+    sub_scales, sub_mins = Q4_K.get_scale_min(blocks[:, 4:16])  # [n, 8] each
+    per_block = cols // BLOCK_WEIGHTS
+    return {"d": blocks[:, 0:2].copy().view(np.float16).reshape(rows, per_block),
+            "dmin": blocks[:, 2:4].copy().view(np.float16).reshape(rows, per_block),
+            "sub_scales": sub_scales.astype(np.uint8).reshape(rows, cols // GROUP),
+            "sub_mins": sub_mins.astype(np.uint8).reshape(rows, cols // GROUP)}

@@ -3,8 +3,9 @@
 A format is written `FORMAT` (one of `draftwise.quant.apply.QUANTIZATIONS`; quantized layers on
 draftwise's native low-bit kernels where this CPU has them, int8 activations where
 that measured faster here), `FORMAT:bf16` (the native kernels, activations always bf16) or
-`FORMAT:pytorch` (PyTorch's packed kernels) or `FORMAT:python` (the native kernels, each decoder
-layer called op by op from Python instead of as one native call). The first format is the baseline (speedups are over it; outputs are compared with its) and
+`FORMAT:pytorch` (PyTorch's packed kernels), `FORMAT:python` (the native kernels, each decoder
+layer called op by op from Python instead of as one native call) or `FORMAT:strips` (GGUF Q4_K and
+Q6_K tensors in int4 and int8 strips instead of their own super-blocks). The first format is the baseline (speedups are over it; outputs are compared with its) and
 its control is the first format again, built and run exactly like it. Plain decoding, greedy, batch 1,
 EOS ignored (every request generates `max_tokens`); then the probes (`probes.py`), interleaved too.
 """
@@ -27,19 +28,20 @@ from draftwise.sampling.params import SamplingParams
 PYTORCH_KERNELS = "pytorch"
 BF16_ACTIVATIONS = "bf16"
 PYTHON_LAYERS = "python"
-KERNEL_CHOICES = ("", PYTORCH_KERNELS, BF16_ACTIVATIONS, PYTHON_LAYERS)
+STRIP_LAYOUTS = "strips"
+KERNEL_CHOICES = ("", PYTORCH_KERNELS, BF16_ACTIVATIONS, PYTHON_LAYERS, STRIP_LAYOUTS)
 MAX_TOKENS = 64
 
 
 def format_recipe(settings: BenchSettings, text: str) -> LLMRecipe:
     weights, _, kernels = text.partition(":")
     if weights not in QUANTIZATIONS or kernels not in KERNEL_CHOICES:
-        raise InvalidParameterError(f"a format is FORMAT, FORMAT:{BF16_ACTIVATIONS}, FORMAT:{PYTORCH_KERNELS} or "
-                                    f"FORMAT:{PYTHON_LAYERS} "
+        raise InvalidParameterError(f"a format is FORMAT, FORMAT:{BF16_ACTIVATIONS}, FORMAT:{PYTORCH_KERNELS}, "
+                                    f"FORMAT:{PYTHON_LAYERS} or FORMAT:{STRIP_LAYOUTS} "
                                     f"with FORMAT one of {', '.join(QUANTIZATIONS)}, got {text!r}")
     return LLMRecipe(settings.model, quantization=weights, max_model_len=settings.max_model_len,
                      native_kernels=kernels != PYTORCH_KERNELS, int8_activations=kernels != BF16_ACTIVATIONS,
-                     native_layers=kernels != PYTHON_LAYERS)
+                     native_layers=kernels != PYTHON_LAYERS, superblock_kernels=kernels != STRIP_LAYOUTS)
 
 
 def measure_formats(settings: BenchSettings, formats: list[str], probes: list,

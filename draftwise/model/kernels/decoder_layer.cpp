@@ -46,7 +46,7 @@ torch::Tensor onednn_linear(const torch::Tensor& rows, const torch::Tensor& pack
 
 // One linear layer: how the Python module computes it (`kind`), on which tensors.
 struct Linear {
-  std::string kind;  // "float", "onednn", "int4_q8", "int8_q8", "int4_bf16", "int8_bf16"
+  std::string kind;  // "float", "onednn", "int4_q8", "int8_q8", "int4_bf16", "int8_bf16", "q4k_q8", "q6k_q8"
   void* function = nullptr;  // the matmul's entry point (the quantized kinds)
   std::vector<torch::Tensor> tensors;  // float: weight [N, K]; onednn: the prepacked weight; the others: packed weight (and scales)
   torch::Tensor bias;  // [N] or undefined
@@ -57,7 +57,7 @@ struct Linear {
     if (kind == "float") return at::linear(x, tensors[0], bias);
     if (kind == "onednn") return onednn_linear(x, tensors[0], bias);
     torch::Tensor out;
-    if (kind == "int4_q8") {
+    if (kind == "int4_q8" || kind == "q4k_q8" || kind == "q6k_q8") {
       out = reinterpret_cast<Int4Q8>(function)(x, tensors[0], out_features);
     } else if (kind == "int8_q8") {
       out = reinterpret_cast<Int8Q8>(function)(x, tensors[0], tensors[1], out_features);
@@ -72,7 +72,8 @@ struct Linear {
 
 Linear make_linear(const std::string& kind, const py::object& function, std::vector<torch::Tensor> tensors,
                    c10::optional<torch::Tensor> bias, int64_t out_features) {
-  TORCH_CHECK(kind == "float" || kind == "onednn" || kind == "int4_q8" || kind == "int8_q8" || kind == "int4_bf16" || kind == "int8_bf16",
+  TORCH_CHECK(kind == "float" || kind == "onednn" || kind == "int4_q8" || kind == "int8_q8" || kind == "int4_bf16" || kind == "int8_bf16" ||
+                  kind == "q4k_q8" || kind == "q6k_q8",
               "unknown linear kind ", kind);
   Linear linear;
   linear.kind = kind;

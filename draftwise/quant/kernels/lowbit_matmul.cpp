@@ -235,16 +235,22 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor weights, torch::Tensor 
 // q8_matmul.cpp
 torch::Tensor int4_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n);
 torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n);
+torch::Tensor q4k_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n);
+torch::Tensor q6k_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "x bf16 [M, K] @ int4 weights [N, K]^T -> float [M, N]");
   m.def("int8_matmul", &int8_matmul, "x bf16 [M, K] @ int8 weights [N, K]^T -> float [M, N]");
   m.def("int4_matmul_q8", &int4_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ int4 weights in strips -> float [M, N]");
   m.def("int8_matmul_q8", &int8_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ int8 weights in strips -> float [M, N]");
+  m.def("q4k_matmul_q8", &q4k_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ Q4_K weights in strips -> float [M, N]");
+  m.def("q6k_matmul_q8", &q6k_matmul_q8, "x float [M, K], quantized to int8 per group of 32, @ Q6_K weights in strips -> float [M, N]");
   // entry points for the fused decoder layer (model/kernels/decoder_layer.cpp), which calls this very code
   m.attr("entry_points") = pybind11::dict(
       pybind11::arg("int4_matmul") = pybind11::capsule(reinterpret_cast<void*>(&int4_matmul)),
       pybind11::arg("int8_matmul") = pybind11::capsule(reinterpret_cast<void*>(&int8_matmul)),
       pybind11::arg("int4_matmul_q8") = pybind11::capsule(reinterpret_cast<void*>(&int4_matmul_q8)),
-      pybind11::arg("int8_matmul_q8") = pybind11::capsule(reinterpret_cast<void*>(&int8_matmul_q8)));
+      pybind11::arg("int8_matmul_q8") = pybind11::capsule(reinterpret_cast<void*>(&int8_matmul_q8)),
+      pybind11::arg("q4k_matmul_q8") = pybind11::capsule(reinterpret_cast<void*>(&q4k_matmul_q8)),
+      pybind11::arg("q6k_matmul_q8") = pybind11::capsule(reinterpret_cast<void*>(&q6k_matmul_q8)));
 }

@@ -15,6 +15,14 @@
 //   sum_k w_k x_k ~= s[c] (sum_g a[r,g] sum_{k in g} (v_k + 128) p_k - 128 sum_g offset[r,g])
 // the last sum depending on the row alone (its `correction`, summed once per row in a fixed order).
 //
+// GGUF's super-block formats, exactly as the file holds them (256 inputs a super-block):
+// Q4_K: w = (d sc_j) q - (dmin m_j) over sub-blocks j of 32, d and dmin fp16, sc_j and m_j 6-bit;
+//   as int4 above, the group's scale and minimum made exactly in float from the integers.
+// Q6_K: w = (d sc_h) (q - 32) over sub-blocks h of 16, q in 0..63, sc_h int8, d fp16; a group of 32
+//   is two sub-blocks, so its two halves get a dot product each:
+//   sum_{k in g} w_k x_k ~= a[r,g] sum_h d sc_h (sum_{k in h} q_k p_k - 32 sum_{k in h} p_k)
+//   with the activations' half sums (32 sum p, per row and half-group) kept beside their groups.
+//
 // Lanes are channels. One vpdpbusd multiplies 4 consecutive inputs of 16 channels (64 weight bytes)
 // by the same 4 activation bytes broadcast to every lane, so a row's work per group of 16 channels is
 // eight dot products plus two to four float operations, with nothing to reduce across lanes at the
@@ -26,6 +34,12 @@
 //         its low nibble is q[c, 4t + j], its high nibble q[c, 16 + 4t + j] (inputs of the group).
 //   int8: uint8 [N/16, K/32, 512]: byte (h, t, c, j) at 256 h + 64 t + 4 c + j holds v[c, 16h + 4t + j]
 //         + 128; the channel scales float [N] apart.
+//   q4k:  uint8 [N/16, K/256, 2368]: per strip and super-block fp16 d [16] and dmin [16], then per
+//         group of 32 the int4 nibbles as above and uint8 sc [16], m [16] (288 bytes): 4.625 bits a weight.
+//   q6k:  uint8 [N/16, K/256, 3360]: per strip and super-block fp16 d [16], then per group (416 bytes)
+//         the low 4 bits of q as int4's nibbles, 64 bytes at 4 c + j holding the high 2 bits of
+//         q[c, 4t + j] at bits 2t, 2t + 1 (t < 4), 64 more for q[c, 16 + 4t + j], then int8 sc [2 (half)]
+//         [16 (channel)]: 6.5625 bits a weight, Q6_K's own.
 //
 // Batch invariance: a row's quantization and every instruction computing its outputs (the groups in
 // order, the same float operations) are the same whatever the number of rows or the tile it lands in.
@@ -41,10 +55,18 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kStrip = 16;                    // channels per strip: one int32 lane each
 constexpr int64_t kRowBlock = 64;
-#ifndef PREFETCH_GROUPS
-#define PREFETCH_GROUPS 16
+// Software prefetch of the weight stream, by tile height. Few rows (decoding, short verification):
+// into L2, 8 groups ahead; into L1 they were dropped or evicted before use and the loads stalled
+// (measured on the AMD EPYC of 2026-11-26, 2 threads, a 151936x1536 layer at one row: int4 strips
+// 5.05 -> 3.90 ms, int8 6.36 -> 5.16 ms, Q6_K 7.76 -> 4.88 ms). Many rows: into L1, 16 groups
+// ahead (there the compute hides the loads; L2 measured no better).
+#ifndef PREFETCH_FEW_ROWS_GROUPS
+#define PREFETCH_FEW_ROWS_GROUPS 8
 #endif
-constexpr int64_t kPrefetchGroups = PREFETCH_GROUPS;
+#ifndef PREFETCH_MANY_ROWS_GROUPS
+#define PREFETCH_MANY_ROWS_GROUPS 16
+#endif
+constexpr int kFewRows = 4;
 
 // x float [M, K] -> p int8 [M, K]; scale a float [M, K/32]; offset float [M, K/32] = a * sum(p).
 void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* scale, float* offset) {
@@ -76,11 +98,19 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // One strip's weights group by group. `load` gives the step-t weight bytes of the group's inputs
 // 4t + j (first) and 16 + 4t + j (second); `accumulate` scales the group's integer dot products in.
-struct Int4Strips {
-  static constexpr int64_t kGroupBytes = 4 * 64 + 2 * 32;  // nibbles, then fp16 scales and minimums
+template <int64_t GroupBytes>
+struct PlainGroups {  // a strip's groups one after another, nothing per super-block
+  static constexpr int64_t kGroupBytes = GroupBytes;
+  static constexpr bool kHalves = false;
+  static const uint8_t* group_data(const uint8_t* packed, int64_t strip, int64_t groups, int64_t g) {
+    return packed + (strip * groups + g) * kGroupBytes;
+  }
+};
+
+struct Int4Strips : PlainGroups<4 * 64 + 2 * 32> {  // nibbles, then fp16 scales and minimums
   const uint8_t* packed;
   __m512 scales, minimums;
-  void start(const uint8_t* block) {
+  void start(const uint8_t* block, int64_t) {
     scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
     minimums = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 288)));
   }
@@ -96,11 +126,10 @@ struct Int4Strips {
   __m512 finish(int64_t, __m512 acc, float) const { return acc; }
 };
 
-struct Int8Strips {
-  static constexpr int64_t kGroupBytes = 512;
+struct Int8Strips : PlainGroups<512> {
   const uint8_t* packed;
   const float* channel_scales;  // [N padded to 16]
-  void start(const uint8_t*) {}
+  void start(const uint8_t*, int64_t) {}
   static void load(const uint8_t* block, int t, __m512i& first, __m512i& second) {
     first = _mm512_loadu_si512(block + 64 * t);
     second = _mm512_loadu_si512(block + 256 + 64 * t);
@@ -113,11 +142,93 @@ struct Int8Strips {
   }
 };
 
+// A strip's super-blocks one after another: a header, then eight groups of Group bytes.
+template <int64_t Header, int64_t Group>
+struct SuperBlocks {
+  static constexpr int64_t kHeaderBytes = Header, kBlockBytes = Header + 8 * Group;
+  static constexpr int64_t kGroupBytes = Group;  // (the prefetch distance's unit)
+  static const uint8_t* group_data(const uint8_t* packed, int64_t strip, int64_t groups, int64_t g) {
+    return packed + (strip * (groups / 8) + g / 8) * kBlockBytes + Header + (g % 8) * Group;
+  }
+  static const uint8_t* header(const uint8_t* block, int64_t g) { return block - Header - (g % 8) * Group; }
+};
+
+inline __m512 unsigned_bytes(const uint8_t* bytes) {  // 16 bytes 0..255 -> float
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+}
+
+inline __m512 signed_bytes(const uint8_t* bytes) {  // 16 bytes -128..127 -> float
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+}
+
+struct Q4KStrips : SuperBlocks<64, 4 * 64 + 2 * 16> {
+  static constexpr bool kHalves = false;
+  const uint8_t* packed;
+  __m512 d, dmin, scales, minimums;
+  void start(const uint8_t* block, int64_t g) {
+    if (g % 8 == 0) {
+      const uint8_t* head = header(block, g);
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head)));
+      dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(head + 32)));
+    }
+    scales = _mm512_mul_ps(d, unsigned_bytes(block + 256));  // exact: 11 x 6 significant bits
+    minimums = _mm512_mul_ps(dmin, unsigned_bytes(block + 272));
+  }
+  static void load(const uint8_t* block, int t, __m512i& first, __m512i& second) { Int4Strips::load(block, t, first, second); }
+  __m512 accumulate(__m512 acc, __m512i dot, __m512 row_scale, __m512 row_offset) const {
+    const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scales);  // s * sum q p
+    return _mm512_fnmadd_ps(minimums, row_offset, _mm512_fmadd_ps(scaled, row_scale, acc));
+  }
+  __m512 finish(int64_t, __m512 acc, float) const { return acc; }
+};
+
+struct Q6KStrips : SuperBlocks<32, 4 * 64 + 2 * 64 + 2 * 16> {
+  static constexpr bool kHalves = true;
+  const uint8_t* packed;
+  __m512 d, first_scales, second_scales;  // d sc_h per channel, for the group's halves
+  __m512i first_high, second_high;  // the group's high bits
+  void start(const uint8_t* block, int64_t g) {
+    if (g % 8 == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(header(block, g))));
+    first_scales = _mm512_mul_ps(d, signed_bytes(block + 384));  // exact: 11 x 8 significant bits
+    second_scales = _mm512_mul_ps(d, signed_bytes(block + 400));
+    first_high = _mm512_loadu_si512(block + 256);
+    second_high = _mm512_loadu_si512(block + 320);
+  }
+  // bits 2t, 2t + 1 of each byte moved to bits 4-5 (16-bit shifts: what crosses a byte lands
+  // outside bits 4-5, masked off later); t is a constant once the caller's loop is unrolled
+  static __m512i high_at_bit4(__m512i high, int t) {
+    switch (t) {
+      case 0: return _mm512_slli_epi16(high, 4);
+      case 1: return _mm512_slli_epi16(high, 2);
+      case 2: return high;
+      default: return _mm512_srli_epi16(high, 2);
+    }
+  }
+  // q of inputs 4t + j (first) and 16 + 4t + j (second): low nibbles | high bits at bits 4-5
+  void load(const uint8_t* block, int t, __m512i& first, __m512i& second) const {
+    const __m512i bytes = _mm512_loadu_si512(block + 64 * t), low_nibbles = _mm512_set1_epi8(0x0F);
+    const __m512i high_bits = _mm512_set1_epi8(0x30);
+    // ternary logic 0xF8: a | (b & c)
+    first = _mm512_ternarylogic_epi32(_mm512_and_si512(bytes, low_nibbles), high_at_bit4(first_high, t), high_bits, 0xF8);
+    second = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles),
+                                       high_at_bit4(second_high, t), high_bits, 0xF8);
+  }
+  // dots: sum q p over the group's halves; half_sums: 32 sum p over each half (the row's)
+  __m512 accumulate_halves(__m512 acc, __m512i first_dot, __m512i second_dot, __m512i first_sum, __m512i second_sum,
+                           __m512 row_scale) const {
+    const __m512 first = _mm512_cvtepi32_ps(_mm512_sub_epi32(first_dot, first_sum));  // exact: |.| <= 16 * 32 * 127
+    const __m512 second = _mm512_cvtepi32_ps(_mm512_sub_epi32(second_dot, second_sum));
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(first, first_scales, _mm512_mul_ps(second, second_scales)), row_scale, acc);
+  }
+  __m512 finish(int64_t, __m512 acc, float) const { return acc; }
+};
+
 struct Rows {  // the quantized activations of a tile's first row
   const int8_t* p;
   const float* a;
   const float* offset;
   const float* correction;  // int8 weights only
+  const int32_t* half_sums;  // Q6_K only: 32 sum p per half-group [K/16]
   int64_t k, groups;
 };
 
@@ -125,6 +236,8 @@ struct Rows {  // the quantized activations of a tile's first row
 template <typename Format, int S, int R>
 void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out) {
   constexpr int64_t bytes = Format::kGroupBytes;
+  constexpr auto hint = R <= kFewRows ? _MM_HINT_T1 : _MM_HINT_T0;
+  constexpr int64_t ahead = (R <= kFewRows ? PREFETCH_FEW_ROWS_GROUPS : PREFETCH_MANY_ROWS_GROUPS) * bytes;
   const int64_t groups = x.groups;
   __m512 acc[S][R];
   for (int s = 0; s < S; ++s)
@@ -134,28 +247,45 @@ void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out)
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block[S];
     for (int s = 0; s < S; ++s) {
-      block[s] = w.packed + ((strip0 + s) * groups + g) * bytes;
-      format[s].start(block[s]);
+      block[s] = Format::group_data(w.packed, strip0 + s, groups, g);
+      format[s].start(block[s], g);
       for (int64_t line = 0; line < bytes; line += 64)  // the stream ahead: loads then overlap the compute
-        _mm_prefetch(reinterpret_cast<const char*>(block[s] + kPrefetchGroups * bytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block[s] + ahead + line), hint);
     }
-    __m512i dot[S][R];
+    constexpr int kDots = Format::kHalves ? 2 : 1;  // one dot product per group, or one per half
+    __m512i dot[S][R][kDots];
     for (int s = 0; s < S; ++s)
-      for (int r = 0; r < R; ++r) dot[s][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < kDots; ++h) dot[s][r][h] = _mm512_setzero_si512();
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
       __m512i first[S], second[S];  // weights of inputs 4t + j and 16 + 4t + j, 16 channels
-      for (int s = 0; s < S; ++s) Format::load(block[s], t, first[s], second[s]);
+      for (int s = 0; s < S; ++s) format[s].load(block[s], t, first[s], second[s]);
       for (int r = 0; r < R; ++r) {
         const int8_t* row = x.p + r * x.k + g * kGroup;
         const __m512i x_first = broadcast4(row + 4 * t), x_second = broadcast4(row + 16 + 4 * t);
-        for (int s = 0; s < S; ++s)
-          dot[s][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[s][r], first[s], x_first), second[s], x_second);
+        for (int s = 0; s < S; ++s) {
+          if constexpr (Format::kHalves) {
+            dot[s][r][0] = _mm512_dpbusd_epi32(dot[s][r][0], first[s], x_first);
+            dot[s][r][kDots - 1] = _mm512_dpbusd_epi32(dot[s][r][kDots - 1], second[s], x_second);
+          } else {
+            dot[s][r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[s][r][0], first[s], x_first), second[s], x_second);
+          }
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 row_scale = _mm512_set1_ps(x.a[r * groups + g]);
-      const __m512 row_offset = _mm512_set1_ps(x.offset[r * groups + g]);
-      for (int s = 0; s < S; ++s) acc[s][r] = format[s].accumulate(acc[s][r], dot[s][r], row_scale, row_offset);
+      if constexpr (Format::kHalves) {
+        const int32_t* sums = x.half_sums + r * 2 * groups + 2 * g;
+        const __m512i first_sum = _mm512_set1_epi32(sums[0]), second_sum = _mm512_set1_epi32(sums[1]);
+        for (int s = 0; s < S; ++s)
+          acc[s][r] = format[s].accumulate_halves(acc[s][r], dot[s][r][0], dot[s][r][kDots - 1], first_sum, second_sum,
+                                                  row_scale);
+      } else {
+        const __m512 row_offset = _mm512_set1_ps(x.offset[r * groups + g]);
+        for (int s = 0; s < S; ++s) acc[s][r] = format[s].accumulate(acc[s][r], dot[s][r][0], row_scale, row_offset);
+      }
     }
   }
   for (int s = 0; s < S; ++s) {
@@ -207,6 +337,15 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
   auto offset = torch::empty({m, groups}, x.options());
   quantize_groups(x.data_ptr<float>(), m, k, p.data_ptr<int8_t>(), a.data_ptr<float>(), offset.data_ptr<float>());
   const float* offsets = offset.data_ptr<float>();
+  std::vector<int32_t> half_sums(Format::kHalves ? m * 2 * groups : 0);  // 32 sum p per half-group
+  if constexpr (Format::kHalves) {
+    const int8_t* q = p.data_ptr<int8_t>();
+    for (int64_t i = 0; i < m * 2 * groups; ++i) {
+      int32_t total = 0;
+      for (int64_t j = 0; j < 16; ++j) total += q[16 * i + j];
+      half_sums[i] = 32 * total;
+    }
+  }
   std::vector<float> correction(with_correction ? m : 0);  // per row, its groups summed in order
   for (int64_t r = 0; r < static_cast<int64_t>(correction.size()); ++r) {
     float total = 0.0f;
@@ -226,7 +365,7 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
           const int64_t row = row0 + r;
           const Rows rows{p.data_ptr<int8_t>() + row * k, a.data_ptr<float>() + row * groups,
                           offsets + row * groups, with_correction ? correction.data() + row : nullptr,
-                          k, groups};
+                          Format::kHalves ? half_sums.data() + row * 2 * groups : nullptr, k, groups};
           rows_over_strips(static_cast<int>(std::min(kTileRows, block - r)), w, rows, first, last, n, outp + row * n);
         }
       }
@@ -235,26 +374,37 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
   return out;
 }
 
-void check_q8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t group_bytes) {
+// group_bytes: per group of 32 inputs (block 32), or per super-block (block 256)
+void check_q8(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t group_bytes, int64_t block = kGroup) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(x.size(1) % kGroup == 0, "K must be a multiple of ", kGroup, ", got ", x.size(1));
+  TORCH_CHECK(x.size(1) % block == 0, "K must be a multiple of ", block, ", got ", x.size(1));
   const int64_t strip_count = (n + kStrip - 1) / kStrip;
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.numel() == strip_count * (x.size(1) / kGroup) * group_bytes,
-              "packed must be contiguous uint8 [N/16, K/32, ", group_bytes, "]");
+              packed.numel() == strip_count * (x.size(1) / block) * group_bytes,
+              "packed must be contiguous uint8 [N/16, K/", block, ", ", group_bytes, "]");
 }
 
 }  // namespace
 
 torch::Tensor int4_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n) {
   check_q8(x, packed, n, Int4Strips::kGroupBytes);
-  return matmul_q8(x, Int4Strips{packed.data_ptr<uint8_t>(), {}, {}}, n, false);
+  return matmul_q8(x, Int4Strips{{}, packed.data_ptr<uint8_t>(), {}, {}}, n, false);
 }
 
 torch::Tensor int8_matmul_q8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n) {
   check_q8(x, packed, n, Int8Strips::kGroupBytes);
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == (n + kStrip - 1) / kStrip * kStrip,
               "scales must be contiguous float32 [N padded to a multiple of 16]");
-  return matmul_q8(x, Int8Strips{packed.data_ptr<uint8_t>(), scales.data_ptr<float>()}, n, true);
+  return matmul_q8(x, Int8Strips{{}, packed.data_ptr<uint8_t>(), scales.data_ptr<float>()}, n, true);
+}
+
+torch::Tensor q4k_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  check_q8(x, packed, n, Q4KStrips::kBlockBytes, 256);
+  return matmul_q8(x, Q4KStrips{{}, packed.data_ptr<uint8_t>(), {}, {}, {}, {}}, n, false);
+}
+
+torch::Tensor q6k_matmul_q8(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  check_q8(x, packed, n, Q6KStrips::kBlockBytes, 256);
+  return matmul_q8(x, Q6KStrips{{}, packed.data_ptr<uint8_t>(), {}, {}, {}, {}, {}}, n, false);
 }
