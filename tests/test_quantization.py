@@ -281,15 +281,21 @@ def test_int4_all_quantizes_an_embedding_table_the_file_keeps_in_another_quantiz
     assert load_model(float_folder, quantization="int4_all").quantization.embedding == "float"
 
 
-def test_a_new_kernel_build_removes_the_packed_caches_of_earlier_ones(mixed_q4k_model):
+def test_a_new_kernel_build_removes_the_packed_caches_of_earlier_ones(mixed_q4k_model, monkeypatch):
     from draftwise.quant.packed_cache import cache_path
+    from draftwise.quant.superblock_strips import SUPERBLOCKS_ENV
 
     path = cache_path(mixed_q4k_model, "int4")
     if native_kernels() is None:
         pytest.skip("only native kernel builds have earlier builds to remove")
     stale = path.with_name("packed-int4-native000000000000-torch0-cpu-f1.safetensors")
     other_mode = path.with_name("packed-int8-native000000000000-torch0-cpu-f1.safetensors")
+    monkeypatch.setenv(SUPERBLOCKS_ENV, "0")
+    other_layouts = cache_path(mixed_q4k_model, "int4")  # this build's, with the super-block kernels off
+    monkeypatch.delenv(SUPERBLOCKS_ENV)
+    assert other_layouts != path
     stale.write_bytes(b"x")
     other_mode.write_bytes(b"x")
+    other_layouts.write_bytes(b"x")  # DRAFTWISE_SUPERBLOCK_KERNELS=0's cache: a benchmark's A/B keeps both
     load_model(mixed_q4k_model, quantization="int4")
-    assert path.is_file() and not stale.exists() and other_mode.exists()
+    assert path.is_file() and not stale.exists() and other_mode.exists() and other_layouts.exists()

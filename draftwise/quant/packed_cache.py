@@ -44,7 +44,7 @@ def cache_path(folder: Path, mode: str) -> Path:
     version = torch.__version__.replace("+", "-")
     path = f"native{source_digest()}" if native_kernels() is not None else "aten"
     if os.environ.get(SUPERBLOCKS_ENV, "1") == "0":
-        path += "-strips"  # (Q4_K and Q6_K in the older layouts: a cache of their own)
+        mode += "-strips"  # (Q4_K and Q6_K in the older layouts: a cache of their own)
     return folder / f"packed-{mode}-{path}-torch{version}-{capability}-f{CACHE_FORMAT}.safetensors"
 
 
@@ -82,12 +82,12 @@ def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> Non
 
 
 def _remove_stale(path: Path) -> None:
-    """Remove the caches earlier native kernel builds wrote for the same mode beside `path` (each is as
-    large as the quantized weights, and no build reads another's)."""
-    mode = path.name.split("-")[1]
+    """Remove the caches earlier native kernel builds wrote for the same mode (and layouts) beside
+    `path` (each is as large as the quantized weights, and no build reads another's)."""
     if "-native" not in path.name:
         return
-    for other in path.parent.glob(f"packed-{mode}-native*.safetensors"):
+    prefix = path.name[:path.name.index("-native")]  # packed-MODE or packed-MODE-strips
+    for other in path.parent.glob(f"{prefix}-native*.safetensors"):
         if other.name != path.name:
             other.unlink(missing_ok=True)
 
