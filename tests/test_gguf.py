@@ -35,6 +35,29 @@ def test_gguf_converts_to_the_same_model(request, name, gguf_cache, monkeypatch)
     assert resolve_model(str(gguf_path), progress=False) == converted  # cached, not converted again
 
 
+def test_a_conversion_waits_for_another_of_the_same_file_and_takes_its_result(tiny_qwen_gguf, tmp_path, monkeypatch):
+    """Two processes converting one file (a benchmark's configs starting together) take turns: the
+    second finds the folder the first completed and converts nothing."""
+    import fcntl
+    import threading
+
+    import draftwise.loading.convert as convert
+
+    folder = tmp_path / "converted" / "tiny-v3"
+    folder.parent.mkdir()
+    done = []
+    with open(folder.with_name(f".{folder.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process converting
+        waiter = threading.Thread(target=lambda: done.append(convert.convert_gguf(tiny_qwen_gguf, folder, progress=False)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not done  # it waits
+        convert._convert(tiny_qwen_gguf, folder, progress=False)  # the other process finishes
+        monkeypatch.setattr(convert, "_convert", lambda *args: pytest.fail("converted a second time"))
+    waiter.join(30)
+    assert done == [folder] and convert.is_converted(folder)
+
+
 def test_gguf_tokenizer_equals_source_tokenizer(tiny_qwen, tiny_qwen_gguf, gguf_cache, monkeypatch):
     monkeypatch.setenv("DRAFTWISE_CACHE", str(gguf_cache))
     original, converted = Tokenizer(tiny_qwen), Tokenizer(resolve_model(str(tiny_qwen_gguf), progress=False))

@@ -11,6 +11,7 @@ the file's own quantization. A `draftwise.json` marker written last makes a fold
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 from pathlib import Path
@@ -53,7 +54,18 @@ def is_converted(folder: Path) -> bool:
 
 
 def convert_gguf(gguf_path: Path, folder: Path, progress: bool = True) -> Path:
-    """Write `folder` from `gguf_path` (atomically: a partial folder is renamed at the end)."""
+    """Write `folder` from `gguf_path` (atomically: a partial folder is renamed at the end). Processes
+    converting the same file at once take turns (a lock beside the folder): the later ones find it done
+    (two that wrote one partial folder together left a model without some of its files)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f".{folder.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_converted(folder):
+            return folder
+        return _convert(gguf_path, folder, progress)
+
+
+def _convert(gguf_path: Path, folder: Path, progress: bool) -> Path:
     gguf = GGUFFile(gguf_path)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

