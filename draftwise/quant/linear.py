@@ -41,6 +41,23 @@ NATIVE_K_MULTIPLE = 64  # the native kernels take input features in pairs of gro
 KERNEL_DTYPE = torch.bfloat16  # activations and scales inside the kernels
 
 
+# An int4 layer's packed layouts, each named by its packed state's main tensor.
+Q4K_STRIPS = "q4k_strips"  # GGUF Q4_K super-blocks, int8 activations (`superblock_strips.py`)
+STRIPS = "strips"  # int4 strips, int8 activations (`pack_strips`)
+NIBBLES = "nibbles"  # the bf16 kernel's layout (`pack_for_native`)
+PYTORCH = "packed_weight"  # PyTorch's int4 packing
+
+
+def _native_layout(out_features: int, in_features: int, q4k: bool) -> str:
+    """The layout this machine's kernel choice takes for an int4 layer of this shape (q4k: the weight
+    is GGUF Q4_K with its super-block integers at hand)."""
+    if int8_activations("int4", out_features, in_features):
+        return Q4K_STRIPS if q4k and kernel_available("q4k_matmul_q8", in_features) else STRIPS
+    if in_features % NATIVE_K_MULTIPLE == 0 and has_bf16_kernels():
+        return NIBBLES
+    return PYTORCH
+
+
 class Int4Linear(nn.Module):
     def __init__(self, quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor,
                  bias: torch.Tensor | None, *, native: bool = True, factors: dict[str, torch.Tensor] | None = None) -> None:
@@ -51,22 +68,24 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = quants.shape
         self.bias = bias
-        self.kernels = native_kernels() if native else None
-        self.int8_activations = self.kernels is not None and int8_activations("int4", *quants.shape)
-        if self.int8_activations and factors is not None and _q4k_kernel_available(self.in_features):
+        native = native and native_kernels() is not None
+        self.layout = _native_layout(*quants.shape, factors is not None) if native else PYTORCH
+        self.kernels = native_kernels() if self.layout != PYTORCH else None
+        if self.layout == Q4K_STRIPS:
             self.q4k_strips = pack_q4k_strips(quants, factors["sub_scales"], factors["sub_mins"],
                                               factors["d"], factors["dmin"])
-            return
-        if self.int8_activations:
+        elif self.layout == STRIPS:
             self.strips = pack_strips(quants, scales, minimums)
-            return
-        if self.kernels is not None and self.in_features % NATIVE_K_MULTIPLE == 0 and has_bf16_kernels():
+        elif self.layout == NIBBLES:
             self.nibbles, self.scale_min = pack_for_native(quants, scales, minimums)
-            return
-        self.kernels = None
-        self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quants.to(torch.int32), 2)
-        zeros = 8 * scales - minimums  # (q - 8) * scale + zero == scale * q - minimum
-        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()  # [K/32, N, 2]
+        else:
+            self.packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quants.to(torch.int32), 2)
+            zeros = 8 * scales - minimums  # (q - 8) * scale + zero == scale * q - minimum
+            self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()  # [K/32, N, 2]
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.layout in (Q4K_STRIPS, STRIPS)
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int4Linear":
@@ -75,8 +94,8 @@ class Int4Linear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.bias = bias
-        if "packed_weight" in state:  # PyTorch's kernel
-            layer.kernels, layer.int8_activations = None, False
+        if PYTORCH in state:
+            layer.kernels, layer.layout = None, PYTORCH
             layer.packed_weight, layer.scales_and_zeros = state["packed_weight"], state["scales_and_zeros"]
             layer.in_features = layer.scales_and_zeros.shape[0] * INT4_GROUP
             layer.out_features = layer.scales_and_zeros.shape[1]
@@ -84,38 +103,28 @@ class Int4Linear(nn.Module):
         if native_kernels() is None:
             raise ValueError("packed for the native kernels, which are not available")
         n, k = (int(v) for v in state["shape"])
-        if "q4k_strips" in state and not (int8_activations("int4", n, k) and _q4k_kernel_available(k)):
-            return cls(*_unpacked(state, n, k), bias)  # measured again since: the bf16 kernel
-        if "strips" in state and not int8_activations("int4", n, k) or "nibbles" in state and int8_activations("int4", n, k):
-            return cls(*_unpacked(state, n, k), bias)  # measured again since: the other layout (or no bf16 kernel here: PyTorch's)
-        layer.kernels, layer.out_features, layer.in_features = native_kernels(), n, k
-        layer.int8_activations = "strips" in state or "q4k_strips" in state
-        if "q4k_strips" in state:
-            layer.q4k_strips = state["q4k_strips"]
-        elif layer.int8_activations:
-            layer.strips = state["strips"]
-        else:
-            layer.nibbles, layer.scale_min = state["nibbles"], state["scale_min"]
+        cached = next(layout for layout in (Q4K_STRIPS, STRIPS, NIBBLES) if layout in state)
+        if _native_layout(n, k, cached == Q4K_STRIPS) != cached:  # measured again since: another layout
+            return cls(*_unpacked(state, n, k), bias)  # (or no bf16 kernel here: PyTorch's)
+        layer.kernels, layer.out_features, layer.in_features, layer.layout = native_kernels(), n, k, cached
+        for key in state.keys() - {"shape"}:
+            setattr(layer, key, state[key])
         return layer
 
     def packed_state(self) -> dict[str, torch.Tensor]:
-        shape = torch.tensor([self.out_features, self.in_features])
-        if hasattr(self, "q4k_strips"):
-            return {"q4k_strips": self.q4k_strips, "shape": shape}
-        if self.int8_activations:
-            return {"strips": self.strips, "shape": shape}
-        if self.kernels is not None:
-            return {"nibbles": self.nibbles, "scale_min": self.scale_min, "shape": shape}
-        return {"packed_weight": self.packed_weight, "scales_and_zeros": self.scales_and_zeros}
+        if self.layout == PYTORCH:
+            return {"packed_weight": self.packed_weight, "scales_and_zeros": self.scales_and_zeros}
+        keys = {Q4K_STRIPS: ("q4k_strips",), STRIPS: ("strips",), NIBBLES: ("nibbles", "scale_min")}[self.layout]
+        return {**{key: getattr(self, key) for key in keys}, "shape": torch.tensor([self.out_features, self.in_features])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q4k_strips"):
+        if self.int8_activations:
             flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
-            out = native_ops.q4k_q8(flat, self.q4k_strips, self.out_features)  # [M, N] float32
-        elif self.int8_activations:
-            flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
-            out = native_ops.int4_q8(flat, self.strips, self.out_features)  # [M, N] float32
-        elif self.kernels is not None:
+            if self.layout == Q4K_STRIPS:
+                out = native_ops.q4k_q8(flat, self.q4k_strips, self.out_features)  # [M, N] float32
+            else:
+                out = native_ops.int4_q8(flat, self.strips, self.out_features)  # [M, N] float32
+        elif self.layout == NIBBLES:
             flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = native_ops.int4(flat, self.nibbles, self.scale_min, self.out_features)  # [M, N] float32
         else:
@@ -128,19 +137,18 @@ class Int4Linear(nn.Module):
 
     def native_linear(self) -> NativeLinear | None:
         """This layer's native matmul, for native decoder layers (None: PyTorch's kernel, which has none)."""
-        if self.kernels is None or not _float_bias(self.bias):
+        if self.layout == PYTORCH or not _float_bias(self.bias):
             return None
-        entry = self.kernels.entry_points
-        if hasattr(self, "q4k_strips"):
-            return NativeLinear("q4k_q8", entry["q4k_matmul_q8"], (self.q4k_strips,), _detached(self.bias), self.out_features)
-        if self.int8_activations:
-            return NativeLinear("int4_q8", entry["int4_matmul_q8"], (self.strips,), _detached(self.bias), self.out_features)
-        return NativeLinear("int4_bf16", entry["int4_matmul"], (self.nibbles, self.scale_min), _detached(self.bias),
-                            self.out_features)
+        entry, bias = self.kernels.entry_points, _detached(self.bias)
+        if self.layout == Q4K_STRIPS:
+            return NativeLinear("q4k_q8", entry["q4k_matmul_q8"], (self.q4k_strips,), bias, self.out_features)
+        if self.layout == STRIPS:
+            return NativeLinear("int4_q8", entry["int4_matmul_q8"], (self.strips,), bias, self.out_features)
+        return NativeLinear("int4_bf16", entry["int4_matmul"], (self.nibbles, self.scale_min), bias, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer computes with (for tests)."""
-        if self.kernels is not None:
+        if self.layout != PYTORCH:
             quants, scales, minimums = _unpacked(self.packed_state(), self.out_features, self.in_features)
             groups = quants.view(self.out_features, -1, INT4_GROUP).double()  # [N, K/32, 32]
             weight = scales.double()[..., None] * groups - minimums.double()[..., None]
@@ -160,13 +168,9 @@ def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
 
 
-def _q4k_kernel_available(in_features: int) -> bool:
-    return kernel_available("q4k_matmul_q8", in_features)
-
-
 def _unpacked(state: dict[str, torch.Tensor], n: int, k: int) -> tuple[torch.Tensor, ...]:
     """quants, scales, minimums of a native layer's packed state (any layout)."""
-    if "q4k_strips" in state:
+    if Q4K_STRIPS in state:
         quants, sub_scales, sub_mins, d, dmin = unpack_q4k_strips(state["q4k_strips"], n, k)
         return (quants, d.float().repeat_interleave(SUPER // INT4_GROUP, 1) * sub_scales.float(),
                 dmin.float().repeat_interleave(SUPER // INT4_GROUP, 1) * sub_mins.float())
