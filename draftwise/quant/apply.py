@@ -85,16 +85,21 @@ def _swiglu_sources(path: str, width: int, hidden: int) -> dict[str, list[tuple[
             f"{path}.down_proj": [(f"{path}.down_proj.weight", hidden)]}
 
 
-def read_q4k_groups(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The Q4_K groups a conversion kept: name -> (quants uint8 [N, K], scales, minimums [N, K/32])."""
+def _read_parts(folder: Path, prefix: str) -> dict[str, dict[str, torch.Tensor]]:
+    """A conversion's `<prefix>-*.safetensors` shards: weight name -> {part: tensor} (keys `<name>.<part>`)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
-    for file in sorted(folder.glob("q4k-*.safetensors")):
+    for file in sorted(folder.glob(f"{prefix}-*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
                 name, kind = key.removeprefix("model.").rsplit(".", 1)
                 parts.setdefault(name, {})[kind] = handle.get_tensor(key)
+    return parts
+
+
+def read_q4k_groups(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The Q4_K groups a conversion kept: name -> (quants uint8 [N, K], scales, minimums [N, K/32])."""
     groups = {}
-    for name, part in parts.items():
+    for name, part in _read_parts(folder, "q4k").items():
         packed = part["quants"]  # [N, K/2]: low nibble = even column, high nibble = odd column
         quants = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
         groups[name] = (quants, part["scales"], part["minimums"])
@@ -104,13 +109,7 @@ def read_q4k_groups(folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor,
 def read_superblocks(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     """The super-block integers a conversion kept (`convert.py`): name -> Q4_K's d, dmin, sub_scales,
     sub_mins or Q6_K's q, sub_scales, d."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for file in sorted(folder.glob("superblocks-*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                name, kind = key.removeprefix("model.").rsplit(".", 1)
-                parts.setdefault(name, {})[kind] = handle.get_tensor(key)
-    return parts
+    return _read_parts(folder, "superblocks")
 
 
 def _joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

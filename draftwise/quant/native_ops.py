@@ -20,18 +20,6 @@ def _(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_featu
     return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-@torch.library.custom_op("draftwise::int4_matmul_q8", mutates_args=())
-def int4_matmul_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x float32 [M, K] (quantized to int8 per group of 32 inside) times an int4 weight in strips:
-    float32 [M, out_features]."""
-    return kernels().int4_matmul_q8(x, strips, out_features)
-
-
-@int4_matmul_q8.register_fake
-def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
-
-
 @torch.library.custom_op("draftwise::int8_matmul", mutates_args=())
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x bf16 [M, K] times int8 weight [N, K] with per-channel float scales [N]: float32 [M, N]."""
@@ -55,40 +43,36 @@ def _(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_features:
     return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-@torch.library.custom_op("draftwise::q4k_matmul_q8", mutates_args=())
-def q4k_matmul_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x float32 [M, K] (quantized to int8 per group of 32 inside) times GGUF Q4_K weights in strips:
-    float32 [M, out_features]."""
-    return kernels().q4k_matmul_q8(x, strips, out_features)
+def _strips_matmul(kernel: str, weights: str):
+    """The custom op `draftwise::<kernel>` for a native kernel taking (x, strips, out_features): x
+    float32 [M, K] (quantized to int8 per group of 32 inside) times `weights` in strips, float32
+    [M, out_features]; and the function the layers call (the op while compiling, else the kernel)."""
+
+    def matmul(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+        return getattr(kernels(), kernel)(x, strips, out_features)
+
+    matmul.__doc__ = f"x float32 [M, K] times {weights} in strips: float32 [M, out_features]."
+    op = torch.library.custom_op(f"draftwise::{kernel}", matmul, mutates_args=())
+
+    @op.register_fake
+    def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+    def call(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
+        return op(x, strips, out_features) if torch.compiler.is_compiling() else matmul(x, strips, out_features)
+
+    return op, call
 
 
-@q4k_matmul_q8.register_fake
-def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
-
-
-@torch.library.custom_op("draftwise::q6k_matmul_q8", mutates_args=())
-def q6k_matmul_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x float32 [M, K] (quantized to int8 per group of 32 inside) times GGUF Q6_K weights in strips:
-    float32 [M, out_features]."""
-    return kernels().q6k_matmul_q8(x, strips, out_features)
-
-
-@q6k_matmul_q8.register_fake
-def _(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+int4_matmul_q8, int4_q8 = _strips_matmul("int4_matmul_q8", "int4 weights")
+q4k_matmul_q8, q4k_q8 = _strips_matmul("q4k_matmul_q8", "GGUF Q4_K weights")
+q6k_matmul_q8, q6k_q8 = _strips_matmul("q6k_matmul_q8", "GGUF Q6_K weights")
 
 
 def int4(x: torch.Tensor, nibbles: torch.Tensor, scale_min: torch.Tensor, out_features: int) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return int4_matmul(x, nibbles, scale_min, out_features)
     return kernels().int4_matmul(x, nibbles, scale_min, out_features)
-
-
-def int4_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return int4_matmul_q8(x, strips, out_features)
-    return kernels().int4_matmul_q8(x, strips, out_features)
 
 
 def int8(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -102,14 +86,3 @@ def int8_q8(x: torch.Tensor, strips: torch.Tensor, scales: torch.Tensor, out_fea
         return int8_matmul_q8(x, strips, scales, out_features)
     return kernels().int8_matmul_q8(x, strips, scales, out_features)
 
-
-def q4k_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return q4k_matmul_q8(x, strips, out_features)
-    return kernels().q4k_matmul_q8(x, strips, out_features)
-
-
-def q6k_q8(x: torch.Tensor, strips: torch.Tensor, out_features: int) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return q6k_matmul_q8(x, strips, out_features)
-    return kernels().q6k_matmul_q8(x, strips, out_features)
