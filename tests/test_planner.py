@@ -117,6 +117,8 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     assert plan.fleet["best"][2][8]["shares"] == [4, 4] and plan.fleet["target"]["replicas"] == 1
     assert "| replicas | clients |" in render(plan)
     assert plan.requests == 4 and plan.segments == {"code": 2, "chat": 2}
+    # one table of target passes, learnt from every run, in every configuration's costs
+    assert all(plan.costs[method]["target"] == plan.costs["plain"]["target"] for method in ("draft", "ngram"))
     # The clock charges what the profile measured, so the simulated plain run takes just as long as the real one.
     assert plan.calibration == pytest.approx(1.0)
     assert set(plan.predictions) >= {"plain", "draft adaptive k<=3", "ngram k=3"}

@@ -12,6 +12,12 @@
    median over the whole run (`whole_run`), not over its last 16 steps as while serving. (With the
    serving window, held-out traffic's plain pass came out at 60 ms where the drafters' runs
    timed 47-52 ms, plain was predicted 10-12% slower than measured and every speedup too high.)
+   The target's passes are one computation whichever drafter runs: one table learns from every
+   run's target passes (n = 1 mostly from the plain run, n = k + 1 from the drafters' runs), and
+   each drafter adds only its own calls. (With a table per run, each learnt the n it saw and took the
+   others from its own profile's shape: after the super-block kernels the pass over one token cost
+   41.1 ms in plain's table, 34.4 in the draft model's and 40.3 in prompt lookup's, and every
+   speedup was predicted 5-16% too high.)
    Prefills cost what a line fitted to every measuring run's timed prefills says
    (`measure.PrefillCost`: the target's prefill is the same computation whichever drafter runs, and
    one run's prefills alone swung from 6.2 to 8.1 ms a token between two plans on one machine).
@@ -50,6 +56,7 @@ from draftwise.planner.simulate import Policy, simulate
 from draftwise.traffic import read_traffic
 from draftwise.planner.validate import validate
 from draftwise.speculative.config import SpeculativeConfig
+from draftwise.speculative.control.cost_model import CostModel
 from draftwise.speculative.control.live_costs import LiveCostModel
 
 
@@ -77,6 +84,7 @@ def _make_plan(options: PlanOptions, progress) -> Plan:
     for entry in options.drafters:  # a missing or mismatched draft model fails before any run
         llm.check_speculative(speculative_dict(entry, options))
     progress(f"plain decoding of {len(items)} sampled requests")
+    # The target's passes, from every run below (plain's profile the prior); each drafter's calls apart.
     live_plain = LiveCostModel(llm.measure_costs(None, None), whole_run=True)
     requests, plain_seconds, plain_prefills = plain_requests(llm, items, live_plain.observe_step)
     prefill_points = list(plain_prefills)
@@ -86,10 +94,15 @@ def _make_plan(options: PlanOptions, progress) -> Plan:
         config = SpeculativeConfig.from_value({**speculative_dict(method, options), "num_speculative_tokens": options.max_k})
 
         def listen_to_drafter(method=method, config=config):
-            # the drafter's profile is the prior; its runs' steps (target passes, drafter calls) the evidence
-            live_by_method[method] = LiveCostModel(llm.measure_costs(llm.engine.drafters[config.method].proposer, config),
-                                                   whole_run=True)
-            return live_by_method[method].observe_step
+            # the drafter's profile is the prior of its calls; its runs' target passes teach the shared table
+            live = LiveCostModel(llm.measure_costs(llm.engine.drafters[config.method].proposer, config), whole_run=True)
+            live_by_method[method] = live
+
+            def listen(timing) -> None:
+                live.observe_step(timing)
+                if not timing.is_prefill:
+                    live_plain.observe_target(timing.num_tokens, timing.target_seconds)
+            return listen
 
         acceptance, replays[method] = measure_acceptance(llm, items, speculative_dict(method, options),
                                                          options.max_k, listen_to_drafter, prefill_points)
@@ -116,7 +129,8 @@ def _make_plan(options: PlanOptions, progress) -> Plan:
     progress(f"calibration: a step costs {overhead * 1e3:.1f} ms beyond its timed target pass (the passes "
              f"themselves as timed while running){prefills}")
     plain_costs = live_plain.with_overhead(overhead)
-    costs_by_method = {method: live.with_overhead(overhead) for method, live in live_by_method.items()}
+    costs_by_method = {method: with_target(live.with_overhead(overhead), plain_costs)
+                       for method, live in live_by_method.items()}
     progress("simulating")
     windows = {facts.method: facts.catch_up_window for facts in drafters}
     predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options, replays,
@@ -133,6 +147,11 @@ def _make_plan(options: PlanOptions, progress) -> Plan:
     if options.validate:
         plan.validation = validate(llm, items, requests, plan, options, progress)
     return plan
+
+
+def with_target(costs: CostModel, target: CostModel) -> CostModel:
+    """A drafter's costs with the shared table of target passes."""
+    return CostModel(dict(target.target), dict(costs.draft), costs.catch_up, costs.key, costs.spread)
 
 
 def fleet_plan(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options: PlanOptions,
