@@ -137,9 +137,9 @@ class Int4Linear(nn.Module):
 
     def native_linear(self) -> NativeLinear | None:
         """This layer's native matmul, for native decoder layers (None: PyTorch's kernel, which has none)."""
-        if self.layout == PYTORCH or not _float_bias(self.bias):
+        if self.layout == PYTORCH or not float_bias(self.bias):
             return None
-        entry, bias = self.kernels.entry_points, _detached(self.bias)
+        entry, bias = self.kernels.entry_points, detached(self.bias)
         if self.layout == Q4K_STRIPS:
             return NativeLinear("q4k_q8", entry["q4k_matmul_q8"], (self.q4k_strips,), bias, self.out_features)
         if self.layout == STRIPS:
@@ -160,11 +160,11 @@ class Int4Linear(nn.Module):
             eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float().contiguous()
 
 
-def _float_bias(bias: torch.Tensor | None) -> bool:
+def float_bias(bias: torch.Tensor | None) -> bool:
     return bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu")
 
 
-def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+def detached(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
 
 
@@ -242,13 +242,13 @@ class Int8Linear(nn.Module):
 
     def native_linear(self) -> NativeLinear | None:
         """This layer's native matmul, for native decoder layers (None: PyTorch's kernel, which has none)."""
-        if self.kernels is None or not _float_bias(self.bias):
+        if self.kernels is None or not float_bias(self.bias):
             return None
         entry = self.kernels.entry_points
         if self.int8_activations:
-            return NativeLinear("int8_q8", entry["int8_matmul_q8"], (self.strips, self.scales_float), _detached(self.bias),
+            return NativeLinear("int8_q8", entry["int8_matmul_q8"], (self.strips, self.scales_float), detached(self.bias),
                                 self.out_features)
-        return NativeLinear("int8_bf16", entry["int8_matmul"], (self.weight_int8, self.scales_float), _detached(self.bias),
+        return NativeLinear("int8_bf16", entry["int8_matmul"], (self.weight_int8, self.scales_float), detached(self.bias),
                             self.out_features)
 
     def dequantized(self) -> torch.Tensor:

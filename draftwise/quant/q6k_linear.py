@@ -10,6 +10,7 @@ from torch import nn
 
 from draftwise.model.native_decoder import NativeLinear
 from draftwise.quant import native_ops
+from draftwise.quant.linear import detached, float_bias
 from draftwise.quant.native import kernels as native_kernels
 from draftwise.quant.superblock_strips import SUPER, kernel_available, pack_q6k_strips, unpack_q6k_strips
 
@@ -51,10 +52,10 @@ class Q6KLinear(nn.Module):
 
     def native_linear(self) -> NativeLinear | None:
         """This layer's native matmul, for native decoder layers."""
-        if self.bias is not None and (self.bias.dtype != torch.float32 or self.bias.device.type != "cpu"):
+        if not float_bias(self.bias):
             return None
-        bias = None if self.bias is None else self.bias.detach()
-        return NativeLinear("q6k_q8", self.kernels.entry_points["q6k_matmul_q8"], (self.strips,), bias, self.out_features)
+        return NativeLinear("q6k_q8", self.kernels.entry_points["q6k_matmul_q8"], (self.strips,), detached(self.bias),
+                            self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer computes with."""
