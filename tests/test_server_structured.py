@@ -29,7 +29,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-GREEDY = dict(temperature=0, max_tokens=120)
+# Room for any answer SCHEMA allows, so that a constrained answer always ends ("stop"), whatever the
+# random model prefers: JSON whitespace is at most 32 characters in each of its 10 places (320 tokens at
+# worst) and the rest under 100 tokens (a 10-character string of \\uXXXX escapes is 62).
+GREEDY = dict(temperature=0, max_tokens=480)
 CALLS = dict(temperature=0, max_tokens=600)  # (the random model takes JSON's optional whitespace, and calls again)
 
 
