@@ -21,7 +21,8 @@
 // Q6_K: w = (d sc_h) (q - 32) over sub-blocks h of 16, q in 0..63, sc_h int8, d fp16; a group of 32
 //   is two sub-blocks, so its two halves get a dot product each:
 //   sum_{k in g} w_k x_k ~= a[r,g] sum_h d sc_h (sum_{k in h} q_k p_k - 32 sum_{k in h} p_k)
-//   with the activations' half sums (32 sum p, per row and half-group) kept beside their groups.
+//   the integer sum begun at the row's -32 sum p of the half (kept per row and half-group), so the
+//   vpdpbusd add q p onto it and nothing is subtracted afterwards.
 //
 // Lanes are channels. One vpdpbusd multiplies 4 consecutive inputs of 16 channels (64 weight bytes)
 // by the same 4 activation bytes broadcast to every lane, so a row's work per group of 16 channels is
@@ -213,11 +214,10 @@ struct Q6KStrips : SuperBlocks<32, 4 * 64 + 2 * 64 + 2 * 16> {
     second = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles),
                                        high_at_bit4(second_high, t), high_bits, 0xF8);
   }
-  // dots: sum q p over the group's halves; half_sums: 32 sum p over each half (the row's)
-  __m512 accumulate_halves(__m512 acc, __m512i first_dot, __m512i second_dot, __m512i first_sum, __m512i second_sum,
-                           __m512 row_scale) const {
-    const __m512 first = _mm512_cvtepi32_ps(_mm512_sub_epi32(first_dot, first_sum));  // exact: |.| <= 16 * 32 * 127
-    const __m512 second = _mm512_cvtepi32_ps(_mm512_sub_epi32(second_dot, second_sum));
+  // dots: sum (q - 32) p over the group's halves (each begun at the row's -32 sum p)
+  __m512 accumulate_halves(__m512 acc, __m512i first_dot, __m512i second_dot, __m512 row_scale) const {
+    const __m512 first = _mm512_cvtepi32_ps(first_dot);  // exact: |.| <= 16 * 32 * 127
+    const __m512 second = _mm512_cvtepi32_ps(second_dot);
     return _mm512_fmadd_ps(_mm512_fmadd_ps(first, first_scales, _mm512_mul_ps(second, second_scales)), row_scale, acc);
   }
   __m512 finish(int64_t, __m512 acc, float) const { return acc; }
@@ -228,7 +228,7 @@ struct Rows {  // the quantized activations of a tile's first row
   const float* a;
   const float* offset;
   const float* correction;  // int8 weights only
-  const int32_t* half_sums;  // Q6_K only: 32 sum p per half-group [K/16]
+  const int32_t* half_offsets;  // Q6_K only: -32 sum p per half-group [K/16]
   int64_t k, groups;
 };
 
@@ -253,10 +253,13 @@ void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out)
         _mm_prefetch(reinterpret_cast<const char*>(block[s] + ahead + line), hint);
     }
     constexpr int kDots = Format::kHalves ? 2 : 1;  // one dot product per group, or one per half
-    __m512i dot[S][R][kDots];
-    for (int s = 0; s < S; ++s)
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < kDots; ++h) dot[s][r][h] = _mm512_setzero_si512();
+    __m512i dot[S][R][kDots];  // a half's dot begins at its offset (-32 sum p): no subtraction per row after
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < kDots; ++h) {
+        const __m512i start = Format::kHalves ? _mm512_set1_epi32(x.half_offsets[r * 2 * groups + 2 * g + h])
+                                              : _mm512_setzero_si512();
+        for (int s = 0; s < S; ++s) dot[s][r][h] = start;
+      }
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) {
       __m512i first[S], second[S];  // weights of inputs 4t + j and 16 + 4t + j, 16 channels
@@ -277,11 +280,8 @@ void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out)
     for (int r = 0; r < R; ++r) {
       const __m512 row_scale = _mm512_set1_ps(x.a[r * groups + g]);
       if constexpr (Format::kHalves) {
-        const int32_t* sums = x.half_sums + r * 2 * groups + 2 * g;
-        const __m512i first_sum = _mm512_set1_epi32(sums[0]), second_sum = _mm512_set1_epi32(sums[1]);
         for (int s = 0; s < S; ++s)
-          acc[s][r] = format[s].accumulate_halves(acc[s][r], dot[s][r][0], dot[s][r][kDots - 1], first_sum, second_sum,
-                                                  row_scale);
+          acc[s][r] = format[s].accumulate_halves(acc[s][r], dot[s][r][0], dot[s][r][kDots - 1], row_scale);
       } else {
         const __m512 row_offset = _mm512_set1_ps(x.offset[r * groups + g]);
         for (int s = 0; s < S; ++s) acc[s][r] = format[s].accumulate(acc[s][r], dot[s][r][0], row_scale, row_offset);
@@ -337,13 +337,13 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
   auto offset = torch::empty({m, groups}, x.options());
   quantize_groups(x.data_ptr<float>(), m, k, p.data_ptr<int8_t>(), a.data_ptr<float>(), offset.data_ptr<float>());
   const float* offsets = offset.data_ptr<float>();
-  std::vector<int32_t> half_sums(Format::kHalves ? m * 2 * groups : 0);  // 32 sum p per half-group
+  std::vector<int32_t> half_offsets(Format::kHalves ? m * 2 * groups : 0);  // -32 sum p per half-group
   if constexpr (Format::kHalves) {
     const int8_t* q = p.data_ptr<int8_t>();
     for (int64_t i = 0; i < m * 2 * groups; ++i) {
       int32_t total = 0;
       for (int64_t j = 0; j < 16; ++j) total += q[16 * i + j];
-      half_sums[i] = 32 * total;
+      half_offsets[i] = -32 * total;
     }
   }
   std::vector<float> correction(with_correction ? m : 0);  // per row, its groups summed in order
@@ -365,7 +365,7 @@ torch::Tensor matmul_q8(const torch::Tensor& x, Format w, int64_t n, bool with_c
           const int64_t row = row0 + r;
           const Rows rows{p.data_ptr<int8_t>() + row * k, a.data_ptr<float>() + row * groups,
                           offsets + row * groups, with_correction ? correction.data() + row : nullptr,
-                          Format::kHalves ? half_sums.data() + row * 2 * groups : nullptr, k, groups};
+                          Format::kHalves ? half_offsets.data() + row * 2 * groups : nullptr, k, groups};
           rows_over_strips(static_cast<int>(std::min(kTileRows, block - r)), w, rows, first, last, n, outp + row * n);
         }
       }
