@@ -62,7 +62,8 @@ def test_serve_answers_the_openai_client_and_shuts_down_on_ctrl_c(tiny_qwen):
             assert time.time() < deadline, "server did not come up"
             time.sleep(0.2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        out = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=8, temperature=0)
+        out = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
     finally:
         server.send_signal(signal.SIGINT)

@@ -85,7 +85,7 @@ def test_greedy_equality_with_plain_steps_between_drafts(trained_head, tiny_qwen
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
 def test_max_tokens_inside_an_accepted_run(trained_head, tiny_qwen, plain, max_tokens):
     llm = medusa(tiny_qwen, trained_head[0], num_speculative_tokens=3, adaptive=False)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate(TRAINING_PROMPTS, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(TRAINING_PROMPTS, params)]
     assert all(len(o.token_ids) == max_tokens for o in outputs)

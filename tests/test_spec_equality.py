@@ -204,7 +204,7 @@ def test_ngram_partial_acceptance(looping_target, k, drafting_pays):
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 13])
 def test_max_tokens_inside_an_accepted_run(max_tokens, tiny_qwen, plain, drafting_pays):
     llm = speculative(tiny_qwen, method="draft", model=str(tiny_qwen), num_speculative_tokens=5)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     # max_tokens 1: the prefill emits the only token; 2: the one decode step may emit one token,
     # and a draft never reaches past what the request may still emit (k <= tokens left - 1 = 0).
     assert_same(llm, plain, PROMPTS, params, "accepted" if max_tokens > 2 else "nothing")
