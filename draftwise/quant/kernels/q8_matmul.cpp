@@ -59,8 +59,10 @@ constexpr int64_t kRowBlock = 64;
 // Software prefetch of the weight stream, by tile height. Few rows (decoding, short verification):
 // into L2, 8 groups ahead; into L1 they were dropped or evicted before use and the loads stalled
 // (measured on the AMD EPYC of 2026-11-26, 2 threads, a 151936x1536 layer at one row: int4 strips
-// 5.05 -> 3.90 ms, int8 6.36 -> 5.16 ms, Q6_K 7.76 -> 4.88 ms). Many rows: into L1, 16 groups
-// ahead (there the compute hides the loads; L2 measured no better).
+// 5.05 -> 3.90 ms, int8 6.36 -> 5.16 ms, Q6_K 7.76 -> 4.88 ms). Many rows: 16 groups ahead, into
+// the cache level the format names (`kManyRowsHint`): L1 for int4 and Q4_K (L2 measured 0.77x at 8
+// rows: the tile's loads then wait on L2), L2 for Q6_K (1.15-1.24x at 8 rows, 1.07-1.17x at 16, on
+// weights streamed from memory: its 416-byte groups 16 ahead crowd the tile's activations out of L1).
 #ifndef PREFETCH_FEW_ROWS_GROUPS
 #define PREFETCH_FEW_ROWS_GROUPS 8
 #endif
@@ -103,6 +105,7 @@ template <int64_t GroupBytes>
 struct PlainGroups {  // a strip's groups one after another, nothing per super-block
   static constexpr int64_t kGroupBytes = GroupBytes;
   static constexpr bool kHalves = false;
+  static constexpr auto kManyRowsHint = _MM_HINT_T0;
   static const uint8_t* group_data(const uint8_t* packed, int64_t strip, int64_t groups, int64_t g) {
     return packed + (strip * groups + g) * kGroupBytes;
   }
@@ -148,6 +151,7 @@ template <int64_t Header, int64_t Group>
 struct SuperBlocks {
   static constexpr int64_t kHeaderBytes = Header, kBlockBytes = Header + 8 * Group;
   static constexpr int64_t kGroupBytes = Group;  // (the prefetch distance's unit)
+  static constexpr auto kManyRowsHint = _MM_HINT_T0;
   static const uint8_t* group_data(const uint8_t* packed, int64_t strip, int64_t groups, int64_t g) {
     return packed + (strip * (groups / 8) + g / 8) * kBlockBytes + Header + (g % 8) * Group;
   }
@@ -185,6 +189,7 @@ struct Q4KStrips : SuperBlocks<64, 4 * 64 + 2 * 16> {
 
 struct Q6KStrips : SuperBlocks<32, 4 * 64 + 2 * 64 + 2 * 16> {
   static constexpr bool kHalves = true;
+  static constexpr auto kManyRowsHint = _MM_HINT_T1;
   const uint8_t* packed;
   __m512 d, first_scales, second_scales;  // d sc_h per channel, for the group's halves
   __m512i first_high, second_high;  // the group's high bits
@@ -236,7 +241,7 @@ struct Rows {  // the quantized activations of a tile's first row
 template <typename Format, int S, int R>
 void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out) {
   constexpr int64_t bytes = Format::kGroupBytes;
-  constexpr auto hint = R <= kFewRows ? _MM_HINT_T1 : _MM_HINT_T0;
+  constexpr auto hint = R <= kFewRows ? _MM_HINT_T1 : Format::kManyRowsHint;
   constexpr int64_t ahead = (R <= kFewRows ? PREFETCH_FEW_ROWS_GROUPS : PREFETCH_MANY_ROWS_GROUPS) * bytes;
   const int64_t groups = x.groups;
   __m512 acc[S][R];
