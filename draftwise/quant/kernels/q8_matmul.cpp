@@ -60,9 +60,10 @@ constexpr int64_t kRowBlock = 64;
 // into L2, 8 groups ahead; into L1 they were dropped or evicted before use and the loads stalled
 // (measured on the AMD EPYC of 2026-11-26, 2 threads, a 151936x1536 layer at one row: int4 strips
 // 5.05 -> 3.90 ms, int8 6.36 -> 5.16 ms, Q6_K 7.76 -> 4.88 ms). Many rows: 16 groups ahead, into
-// the cache level the format names (`kManyRowsHint`): L1 for int4 and Q4_K (L2 measured 0.77x at 8
-// rows: the tile's loads then wait on L2), L2 for Q6_K (1.15-1.24x at 8 rows, 1.07-1.17x at 16, on
-// weights streamed from memory: its 416-byte groups 16 ahead crowd the tile's activations out of L1).
+// the cache level the format names (`kManyRowsHint`), measured at 8 and 16 rows on weights streamed
+// from memory: L1 for the nibble formats, int4 and Q4_K (L2 measured 0.91-1.01x and 0.77-0.88x: the
+// tile's loads then wait on L2); L2 for the wider groups, Q6_K's 416 bytes and int8's 512 (1.07-1.24x
+// and 1.18-1.32x: 16 of them ahead crowd the tile's activations out of L1).
 #ifndef PREFETCH_FEW_ROWS_GROUPS
 #define PREFETCH_FEW_ROWS_GROUPS 8
 #endif
@@ -131,6 +132,7 @@ struct Int4Strips : PlainGroups<4 * 64 + 2 * 32> {  // nibbles, then fp16 scales
 };
 
 struct Int8Strips : PlainGroups<512> {
+  static constexpr auto kManyRowsHint = _MM_HINT_T1;
   const uint8_t* packed;
   const float* channel_scales;  // [N padded to 16]
   void start(const uint8_t*, int64_t) {}
