@@ -168,6 +168,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
+    del state, tensors  # (the model holds them now: each float layer is freed as it is quantized)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.to(device=device, dtype=dtype)
