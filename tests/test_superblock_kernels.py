@@ -174,6 +174,29 @@ def test_the_packed_cache_keeps_the_super_block_layers(q4k_m_like_model, monkeyp
 
 
 @needs_kernels
+def test_first_quantization_leaves_the_files_own_layers_float_copies_unread(q4k_m_like_model, monkeypatch):
+    import draftwise.loading.hf_folder as hf_folder
+    from draftwise.runner.model_runner import ModelRunner
+
+    def logits(model):
+        runner = ModelRunner(model, max_num_rows=1, max_len=64)
+        return runner.forward([runner.allocate()], [[5, 17, 42, 99, 3]], [5]).logits
+
+    reads = []
+    read_tensors = hf_folder._read_tensors
+    monkeypatch.setattr(hf_folder, "_read_tensors", lambda folder, **kw: reads.append(kw) or read_tensors(folder, **kw))
+    monkeypatch.setattr(hf_folder, "save_packed", lambda *args: None)  # (every load below quantizes)
+    lean = hf_folder.load_model(q4k_m_like_model, quantization="int4")
+    unread = reads[0]["unread"]
+    assert {"layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.self_attn.o_proj.weight", "embed_tokens.weight"} <= unread
+    assert not unread & {"layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight"}  # (int8: read)
+    monkeypatch.setattr(hf_folder, "_float_free", lambda *args: set())  # every float weight read, as before
+    full = hf_folder.load_model(q4k_m_like_model, quantization="int4")
+    assert lean.quantization == full.quantization and torch.equal(logits(lean), logits(full))
+
+
+@needs_kernels
 def test_native_layers_compute_the_python_layers_bits_with_super_block_weights(q4k_m_like_model):
     from draftwise import LLM
     from draftwise.model import native_decoder

@@ -12,7 +12,7 @@ from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.loading.dummy import dummy_model
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
-from draftwise.quant.apply import QuantizationReport, check_quantization, quantize_model
+from draftwise.quant.apply import QuantizationReport, check_quantization, float_free_weights, quantize_model
 from draftwise.quant.packed_cache import cache_path, load_packed, save_packed
 from draftwise.model.transformer import Transformer
 
@@ -25,21 +25,44 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelFormatError(f"{path}: unreadable ({error})") from None
 
 
-def _read_tensors(folder: Path, only: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by our names ("model." dropped); `only` these names if given."""
+def _weight_files(folder: Path) -> list[Path]:
     files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith(("q4k-", "superblocks-", "packed-")))
     if not files:
         raise ModelFormatError(f"{folder}: no *.safetensors weight files")
+    return files
+
+
+def _read_tensors(folder: Path, only: set[str] | None = None, unread: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by our names ("model." dropped); `only` these names if given; those
+    `unread` as meta tensors of their shape (placeholders for layers built from other data)."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    if only is None or name.removeprefix("model.") in only:
-                        tensors[name.removeprefix("model.")] = handle.get_tensor(name)
+                for key in handle.keys():
+                    name = key.removeprefix("model.")
+                    if name in unread:
+                        tensors[name] = torch.empty(handle.get_slice(key).get_shape(), device="meta")
+                    elif only is None or name in only:
+                        tensors[name] = handle.get_tensor(key)
         except (SafetensorError, OSError) as error:
             raise ModelFormatError(f"{file}: corrupt or truncated safetensors file ({error})") from None
     return tensors
+
+
+def _input_sizes(folder: Path) -> dict[str, int]:
+    """Each 2-D checkpoint tensor's number of columns, from the files' headers (nothing read)."""
+    sizes = {}
+    for file in _weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    shape = handle.get_slice(key).get_shape()
+                    if len(shape) == 2:
+                        sizes[key.removeprefix("model.")] = shape[1]
+        except (SafetensorError, OSError) as error:
+            raise ModelFormatError(f"{file}: corrupt or truncated safetensors file ({error})") from None
+    return sizes
 
 
 def _offset_norms(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -158,7 +181,10 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         cached = _load_packed_model(folder, config, mode)
         if cached is not None:
             return cached
-    tensors = _offset_norms(_read_tensors(folder), config)  # (its errors name the folder)
+    # Weights that quantizing takes whole from the file's integers are not read (meta placeholders
+    # until their layers are replaced); the rest are, and each float layer is freed as it is quantized.
+    unread = _float_free(folder, config, mode) if mode != "none" else set()
+    tensors = _offset_norms(_read_tensors(folder, unread=unread), config)  # (its errors name the folder)
     try:
         state = _fused_state(tensors, config)
     except ModelFormatError as error:
@@ -167,20 +193,32 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         model = Transformer(config)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    if unread:  # (quantizing: cpu and float32, tensor by tensor, the placeholders left as they are)
+        for name, tensor in state.items():
+            state[name] = tensor if tensor.is_meta else tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
-    del state, tensors  # (the model holds them now: each float layer is freed as it is quantized)
+    del state, tensors
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.to(device=device, dtype=dtype)
+    if not unread:
+        model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
     model.quantization = QuantizationReport("none")
     if mode != "none":
         model.quantization = quantize_model(model, mode, folder)
+        placeholders = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+        if placeholders:  # (a policy and its prediction of what it reads that disagree: a bug, said plainly)
+            raise RuntimeError(f"{folder}: weights left unread that quantization did not replace: {placeholders[:5]}")
         save_packed(model, model.quantization, cache_path(folder, mode))
         pack_linear_layers(model)  # (the float ones left, a mixture of experts' routers: row-independent)
     elif pack_cpu_weights:
         pack_linear_layers(model)
     return model
+
+
+def _float_free(folder: Path, config: ModelConfig, mode: str) -> set[str]:
+    sizes = _input_sizes(folder)  # (0 for a name the checkpoint spells otherwise: Mixtral's experts, never from the file)
+    return float_free_weights(config, mode, folder, lambda name: sizes.get(name, 0))
 
 
 def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transformer | None:

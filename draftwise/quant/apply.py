@@ -19,7 +19,7 @@ float otherwise (`quant/embedding.py`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +153,38 @@ def _int4_parts(weight: torch.Tensor, sources: list[tuple[str, int]], groups: di
     return parts, all(name in groups for name, _ in sources)
 
 
+def _layer_kind(mode: str, names: list[str], in_features: int, groups: Mapping, superblocks: Mapping,
+                types: dict[str, str]) -> str:
+    """How the policy above quantizes a linear layer made of these checkpoint weights: "q6k" (the
+    file's Q6_K), "int8", or "int4" (the file's Q4_K groups where every part has them)."""
+    wider = not all(name in groups or types.get(name) in _FLOAT_TYPES for name in names)
+    q6k = all(types.get(name) == "Q6_K" and name in superblocks for name in names)
+    if mode == "int4" and q6k and q6k_kernel_available(in_features):
+        return "q6k"
+    if mode == "int8" or (mode == "int4" and wider):
+        return "int8"
+    return "int4"
+
+
+def float_free_weights(config: ModelConfig, mode: str, folder: Path, in_features: Callable[[str], int]) -> set[str]:
+    """The checkpoint weights whose float values quantizing in `mode` never reads: every layer made
+    of them (and the embedding, where it is one) comes from the file's own integers. A loader need
+    not read them (the 1.5B's float copy is 6 GB; its Q4_K and Q6_K layers ~1 GB).
+    in_features: a checkpoint weight's number of inputs."""
+    if not mode.startswith("int4"):
+        return set()
+    groups, superblocks, types = read_q4k_groups(folder), read_superblocks(folder), stored_types(folder)
+    covered, needed = set(), set()
+    for sources in linear_sources(config).values():
+        names = [name for name, _ in sources]
+        kind = _layer_kind(mode, names, in_features(names[0]), groups, superblocks, types)
+        from_file = kind == "q6k" or (kind == "int4" and all(name in groups for name in names))
+        (covered if from_file else needed).update(names)
+    embedding = "embed_tokens.weight"  # (from the file's Q4_K groups, or float: `_quantize_embedding`)
+    (covered if embedding in groups else needed).add(embedding)
+    return covered - needed
+
+
 def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> QuantizationReport:
     """Quantize `model`'s linear layers in place (mode "int4", "int4_all" or "int8")."""
     report = QuantizationReport(mode)
@@ -165,13 +197,12 @@ def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> Quantiza
         linear: nn.Linear = getattr(parent, attribute)
         weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach().clone()
         names = [name for name, _ in sources]
-        wider = not all(name in groups or types.get(name) in _FLOAT_TYPES for name in names)
-        q6k = all(types.get(name) == "Q6_K" and name in superblocks for name in names)
-        if mode == "int4" and q6k and q6k_kernel_available(weight.shape[1]):
+        kind = _layer_kind(mode, names, weight.shape[1], groups, superblocks, types)
+        if kind == "q6k":
             joined = _joined([superblocks[name] for name in names])
             replacement = Q6KLinear(joined["q"], joined["sub_scales"], joined["d"], bias)
             report.q6k_from_file.append(path)
-        elif mode == "int8" or (mode == "int4" and wider):
+        elif kind == "int8":
             replacement = Int8Linear(weight, bias)
             report.int8.append(path)
         else:
