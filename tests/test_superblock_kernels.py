@@ -191,7 +191,7 @@ def test_first_quantization_leaves_the_files_own_layers_float_copies_unread(q4k_
     assert {"layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.self_attn.o_proj.weight", "embed_tokens.weight"} <= unread
     assert not unread & {"layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight"}  # (int8: read)
-    monkeypatch.setattr(hf_folder, "_float_free", lambda *args: set())  # every float weight read, as before
+    monkeypatch.setattr(hf_folder, "float_free_weights", lambda *args: set())  # every float weight read, as before
     full = hf_folder.load_model(q4k_m_like_model, quantization="int4")
     assert lean.quantization == full.quantization and torch.equal(logits(lean), logits(full))
 

@@ -50,21 +50,6 @@ def _read_tensors(folder: Path, only: set[str] | None = None, unread: set[str] =
     return tensors
 
 
-def _input_sizes(folder: Path) -> dict[str, int]:
-    """Each 2-D checkpoint tensor's number of columns, from the files' headers (nothing read)."""
-    sizes = {}
-    for file in _weight_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    shape = handle.get_slice(key).get_shape()
-                    if len(shape) == 2:
-                        sizes[key.removeprefix("model.")] = shape[1]
-        except (SafetensorError, OSError) as error:
-            raise ModelFormatError(f"{file}: corrupt or truncated safetensors file ({error})") from None
-    return sizes
-
-
 def _offset_norms(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Gemma's norms scale by (1 + w) where the checkpoint stores w: folded into the weight once here."""
     if config.norm_weight_offset:
@@ -183,14 +168,14 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
             return cached
     # Weights that quantizing takes whole from the file's integers are not read (meta placeholders
     # until their layers are replaced); the rest are, and each float layer is freed as it is quantized.
-    unread = _float_free(folder, config, mode) if mode != "none" else set()
+    with torch.device("meta"):
+        model = Transformer(config)
+    unread = float_free_weights(model, mode, folder) if mode != "none" else set()
     tensors = _offset_norms(_read_tensors(folder, unread=unread), config)  # (its errors name the folder)
     try:
         state = _fused_state(tensors, config)
     except ModelFormatError as error:
         raise ModelFormatError(f"{folder}: {error}") from None
-    with torch.device("meta"):
-        model = Transformer(config)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     if unread:  # (quantizing: cpu and float32, tensor by tensor, the placeholders left as they are)
@@ -214,11 +199,6 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     elif pack_cpu_weights:
         pack_linear_layers(model)
     return model
-
-
-def _float_free(folder: Path, config: ModelConfig, mode: str) -> set[str]:
-    sizes = _input_sizes(folder)  # (0 for a name the checkpoint spells otherwise: Mixtral's experts, never from the file)
-    return float_free_weights(config, mode, folder, lambda name: sizes.get(name, 0))
 
 
 def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transformer | None:

@@ -19,7 +19,7 @@ float otherwise (`quant/embedding.py`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,18 +166,19 @@ def _layer_kind(mode: str, names: list[str], in_features: int, groups: Mapping, 
     return "int4"
 
 
-def float_free_weights(config: ModelConfig, mode: str, folder: Path, in_features: Callable[[str], int]) -> set[str]:
-    """The checkpoint weights whose float values quantizing in `mode` never reads: every layer made
-    of them (and the embedding, where it is one) comes from the file's own integers. A loader need
-    not read them (the 1.5B's float copy is 6 GB; its Q4_K and Q6_K layers ~1 GB).
-    in_features: a checkpoint weight's number of inputs."""
+def float_free_weights(model: nn.Module, mode: str, folder: Path) -> set[str]:
+    """The checkpoint weights whose float values quantizing `model` (built, on any device) in `mode`
+    never reads: every layer made of them (and the embedding, where it is one) comes from the
+    file's own integers. A loader need not read them (the 1.5B's float copy is 6 GB; its Q4_K and
+    Q6_K layers ~1 GB)."""
     if not mode.startswith("int4"):
         return set()
     groups, superblocks, types = read_q4k_groups(folder), read_superblocks(folder), stored_types(folder)
     covered, needed = set(), set()
-    for sources in linear_sources(config).values():
+    for path, sources in linear_sources(model.config).items():
         names = [name for name, _ in sources]
-        kind = _layer_kind(mode, names, in_features(names[0]), groups, superblocks, types)
+        in_features = model.get_submodule(path).in_features
+        kind = _layer_kind(mode, names, in_features, groups, superblocks, types)
         from_file = kind == "q6k" or (kind == "int4" and all(name in groups for name in names))
         (covered if from_file else needed).update(names)
     embedding = "embed_tokens.weight"  # (from the file's Q4_K groups, or float: `_quantize_embedding`)
