@@ -198,7 +198,8 @@ def test_ngram_partial_acceptance(looping_target, k, drafting_pays):
     llm = speculative(looping_target, method="ngram", num_speculative_tokens=k)
     params = SamplingParams(temperature=0, max_tokens=40)
     assert_same(llm, plain_llm, PROMPTS, params)
-    assert 0.05 < llm.spec_metrics.acceptance_rate < 0.95
+    metrics = llm.spec_metrics  # (some drafted tokens accepted and some not: where a loop begins is the model's)
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 13])

@@ -128,7 +128,8 @@ class Transformer(nn.Module):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
         native_pass = self._native_pass(cache, x)
         captured: dict[int, torch.Tensor] = {}
-        for index, layer in enumerate(self.layers[:num_layers]):
+        for index in range(len(self.layers) if num_layers is None else min(num_layers, len(self.layers))):
+            layer = self.layers[index]  # (not a slice: slicing a ModuleList builds a new one, every pass)
             native_layer = None if native_pass is None else self.native_layer(index)
             if native_layer is not None:
                 x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
