@@ -157,14 +157,17 @@ def test_q4k_m_verification_pass_equals_single_steps_bit_for_bit(q4k_m_like_mode
     assert torch.equal(together, steps)
 
 
+def logits(model):
+    """The logits of one 5-token pass."""
+    from draftwise.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(model, max_num_rows=1, max_len=64)
+    return runner.forward([runner.allocate()], [[5, 17, 42, 99, 3]], [5]).logits
+
+
 @needs_kernels
 def test_the_packed_cache_keeps_the_super_block_layers(q4k_m_like_model, monkeypatch):
     import draftwise.loading.hf_folder as hf_folder
-    from draftwise.runner.model_runner import ModelRunner
-
-    def logits(model):
-        runner = ModelRunner(model, max_num_rows=1, max_len=64)
-        return runner.forward([runner.allocate()], [[5, 17, 42, 99, 3]], [5]).logits
 
     first = hf_folder.load_model(q4k_m_like_model, quantization="int4")
     monkeypatch.setattr(hf_folder, "quantize_model", lambda *args: pytest.fail("quantized despite the cache"))
@@ -176,11 +179,6 @@ def test_the_packed_cache_keeps_the_super_block_layers(q4k_m_like_model, monkeyp
 @needs_kernels
 def test_first_quantization_leaves_the_files_own_layers_float_copies_unread(q4k_m_like_model, monkeypatch):
     import draftwise.loading.hf_folder as hf_folder
-    from draftwise.runner.model_runner import ModelRunner
-
-    def logits(model):
-        runner = ModelRunner(model, max_num_rows=1, max_len=64)
-        return runner.forward([runner.allocate()], [[5, 17, 42, 99, 3]], [5]).logits
 
     reads = []
     read_tensors = hf_folder._read_tensors

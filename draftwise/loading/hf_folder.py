@@ -178,15 +178,12 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
         raise ModelFormatError(f"{folder}: {error}") from None
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    if unread:  # (quantizing: cpu and float32, tensor by tensor, the placeholders left as they are)
-        for name, tensor in state.items():
-            state[name] = tensor if tensor.is_meta else tensor.to(device=device, dtype=dtype)
+    for name, tensor in state.items():  # (tensor by tensor; the placeholders stay as they are)
+        state[name] = tensor if tensor.is_meta else tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
     del state, tensors
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if not unread:
-        model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
     model.quantization = QuantizationReport("none")
     if mode != "none":

@@ -35,6 +35,7 @@ from draftwise.quant.q6k_linear import Q6KLinear, q6k_kernel_available
 
 QUANTIZATIONS = ("auto", "int4", "int4_all", "int8", "none")
 _FLOAT_TYPES = {None, "F32", "F16", "BF16", "F64"}
+EMBEDDING_WEIGHT = "embed_tokens.weight"
 
 
 @dataclass(slots=True)
@@ -181,9 +182,13 @@ def float_free_weights(model: nn.Module, mode: str, folder: Path) -> set[str]:
         kind = _layer_kind(mode, names, in_features, groups, superblocks, types)
         from_file = kind == "q6k" or (kind == "int4" and all(name in groups for name in names))
         (covered if from_file else needed).update(names)
-    embedding = "embed_tokens.weight"  # (from the file's Q4_K groups, or float: `_quantize_embedding`)
-    (covered if embedding in groups else needed).add(embedding)
+    (covered if _embedding_from_file(mode, groups) else needed).add(EMBEDDING_WEIGHT)
     return covered - needed
+
+
+def _embedding_from_file(mode: str, groups: Mapping) -> bool:
+    """Whether the token embedding becomes the file's own Q4_K groups (else float, or quantized here)."""
+    return mode.startswith("int4") and EMBEDDING_WEIGHT in groups
 
 
 def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> QuantizationReport:
@@ -221,8 +226,8 @@ def _quantize_embedding(model: nn.Module, mode: str, groups: dict, types: dict, 
     """int4 modes keep a Q4_K embedding table as its own groups (exact); `int4_all` quantizes a table
     the file stores in another quantized type to int4 too; a float table stays float (so that a model
     drafting for itself looks up the same rows as itself as target)."""
-    name = "embed_tokens.weight"
-    if mode.startswith("int4") and name in groups:
+    name = EMBEDDING_WEIGHT
+    if _embedding_from_file(mode, groups):
         model.embed_tokens = Int4Embedding(*groups[name])
         report.embedding = "int4 from the file's Q4_K"
     elif mode == "int4_all" and types.get(name) not in _FLOAT_TYPES:
