@@ -143,6 +143,29 @@ def test_a_position_not_tried_recovers_and_the_best_k_is_found():
     assert statistics.mean(ratios) > 0.95 and min(ratios) > 0.9, ratios
 
 
+def test_probes_of_a_drafter_with_a_backlog_stay_within_the_budget():
+    """A draft model that never pays falls behind by a token every plain step; a probe must first
+    absorb that backlog (capped at its context window). Probing, catch-ups included, costs at most
+    2% of the decoding time, and still happens (at every first interval it cost ~8% here)."""
+    model = costs(catch_up=0.005)  # 5 ms a backlog token against a 70 ms plain step
+    window = 128
+    controller = GoodputController(model, 4, AcceptanceEstimate.prior(4, 0.05))
+    behind, probes, extra = 0, 0, 0.0
+    steps = 5000
+    for _ in range(steps):
+        lag = min(behind + 1, window)
+        k = controller.choose(lag=lag)
+        controller.observe(k, 0)
+        if k:
+            probes += 1
+            extra += model.step_seconds(k) - model.step_seconds(0) + model.catch_up_seconds(lag)
+            behind = 0  # caught up; the rejected draft leaves only the correction to absorb
+        else:
+            behind += 1
+    assert probes >= 3
+    assert extra <= 0.02 * steps * model.step_seconds(0)
+
+
 def test_a_probe_with_nothing_to_propose_is_retried_at_once():
     controller = GoodputController(costs(), 4, AcceptanceEstimate.prior(4, 0.05))
     choices = [controller.choose() for _ in range(controller.interval)]

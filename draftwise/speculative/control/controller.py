@@ -27,7 +27,9 @@ its low estimate never recovers: a replay of the controller on this machine's co
 i.i.d. acceptance 0.8 (where k = 2 is best) settled on k = 1 with position 2 estimated at 0.51.
 A drafter that never pays also gets probes: one drafted token after
 `interval` plain steps. The first interval is chosen so that probing costs at most 2% of the time
-(a probe costs C(1) - C(0) more than a plain step); a rejected probe doubles it (up to 4x), and it
+(a probe costs C(1) - C(0) more than a plain step, and a drafter with its own cache first absorbs
+the tokens of the plain steps: a probe waits until its catch-up fits the budget too); a rejected
+probe doubles it (up to 4x), and it
 returns to the first interval after an accepted probe (the lower bounds below need a few before
 drafting resumes). A probe that finds nothing
 to propose (prompt lookup without a match) costs nothing and is retried at the next step. A new
@@ -208,14 +210,15 @@ class GoodputController:
     probe_interval: int = 8  # the shortest first probing interval (the cost bound may make it longer)
     start_interval: int | None = None  # where the back-off starts (a drafter's earlier requests may have grown it)
     _first_interval: int = field(init=False, default=0)
+    _probe_extra: float = field(init=False, default=0.0)  # a probe's cost beyond a plain step, catch-up aside
     _interval: int = field(init=False, default=0)
     _plain_steps: int = field(init=False, default=0)
     _probing: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         plain = self.costs.step_seconds(0)
-        probe_extra = max(0.0, self.costs.step_seconds(1) - plain)
-        self._first_interval = max(self.probe_interval, math.ceil(probe_extra / (PROBE_BUDGET * plain)))
+        self._probe_extra = max(0.0, self.costs.step_seconds(1) - plain)
+        self._first_interval = max(self.probe_interval, math.ceil(self._probe_extra / (PROBE_BUDGET * plain)))
         self._interval = self.start_interval or self._first_interval
 
     def choose(self, lag: int = 1, tokens_left: int | None = None, generated: int | None = None,
@@ -255,8 +258,16 @@ class GoodputController:
 
     def _probe_is_cheap(self, catch_up: float, horizon: float) -> bool:
         """A probe that must first absorb a backlog may cost (in row-seconds) at most a tenth of
-        the plain decoding time of the horizon."""
-        return catch_up <= 0.1 * horizon * self.costs.step_seconds(0)
+        the plain decoding time of the horizon, and its whole extra cost, the catch-up included,
+        at most PROBE_BUDGET of the plain steps it follows. (A draft model's backlog grows with
+        every plain step: absorbing it costs ~1.4 ms a token against a ~45 ms plain step on this
+        project's CPU, more than the 2% budget itself, so probes every first interval cost ~5% of
+        the time where the drafter never pays; a backlog capped by its context window lets a
+        probe through after enough plain steps.)"""
+        plain = self.costs.step_seconds(0)
+        extra = self._probe_extra + catch_up  # (the draft's part as priced for the first interval: a
+        # drafter dear for a while must still be probed to find out that it is cheap again)
+        return catch_up <= 0.1 * horizon * plain and extra <= PROBE_BUDGET * self._plain_steps * plain
 
     @property
     def interval(self) -> int:
