@@ -93,6 +93,20 @@ def test_a_prior_far_from_the_live_plain_step_is_dropped_from_the_cache(tmp_path
     assert not steady.prior_dropped and (tmp_path / "other.json").exists()
 
 
+def test_a_quiet_profile_is_kept_though_real_steps_spread_above_it(tmp_path):
+    """The profile's points are the fastest of their repeats; real steps spread above them (long
+    contexts, the sampler): a window whose median is past PRIOR_FAR but whose fast end is near the
+    profile keeps it. A busy machine slows every step, and that drops it (the test above)."""
+    path = tmp_path / "profile.json"
+    synthetic().write(path)
+    live = LiveCostModel(synthetic(), path)
+    spread = [1.0, 1.1, 1.2, 1.55, 1.6, 1.7, 1.8, 1.6]
+    assert sorted(spread)[len(spread) // 2] > PRIOR_FAR
+    for i in range(WINDOW):
+        live.observe_target(1, synthetic().target_seconds(1) * spread[i % len(spread)])
+    assert not live.prior_dropped and path.exists()
+
+
 def test_a_contaminated_profile_is_measured_again_and_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv(profile.PROFILES_ENV, str(tmp_path))
     assert profile.contamination(synthetic()) is None

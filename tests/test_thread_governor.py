@@ -78,6 +78,21 @@ def test_load_from_the_start_is_found_by_the_periodic_probe():
     assert governor.threads == 1
 
 
+def test_a_prefill_runs_on_the_exploited_count_never_a_probes():
+    """A probe times decoding steps; a prefill that came due in the middle of one (the next request's,
+    at batch 1) must not run its hundreds of tokens on the probed count (on a quiet machine one
+    thread prefills ~1.6x slower): it runs on every thread, and the probe goes on after it."""
+    machine = Machine(QUIET)
+    governor = make(machine)
+    used = []
+    while 1 not in used:  # the periodic probe begins
+        used.append(machine.step(governor))
+    assert PROBE_STEPS > 1  # (a step of the probe is left)
+    governor.before_step(is_prefill=True)
+    assert machine.threads == 2
+    assert machine.step(governor) == 1  # the probe's next decoding step
+
+
 def test_another_engine_changing_the_process_count_is_undone_before_each_step():
     machine = Machine(QUIET)
     governor = make(machine)
@@ -121,7 +136,8 @@ def test_outputs_do_not_depend_on_the_threads_each_step_runs_on(tiny_int4, monke
         tiny_int4.set_speculative(None, progress=False)
         alone = tiny_int4.generate(prompt, params)[0].token_ids
         switches = iter([1, 2] * 1000)
-        monkeypatch.setattr(tiny_int4.threads, "before_step", lambda: torch.set_num_threads(next(switches)))
+        monkeypatch.setattr(tiny_int4.threads, "before_step",
+                            lambda is_prefill=False: torch.set_num_threads(next(switches)))
         for speculative in (None, {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}):
             tiny_int4.set_speculative(speculative, progress=False)
             assert tiny_int4.generate(prompt, params)[0].token_ids == alone

@@ -87,7 +87,7 @@ class Engine:
                 raise KVCacheFullError("no waiting request fits in the KV cache and none is running")
             return []
         if self.threads is not None:
-            self.threads.before_step()
+            self.threads.before_step(step.is_prefill)
         try:
             self._run(step.seqs, step.is_prefill)
         except Exception as error:
