@@ -144,6 +144,26 @@ def test_a_q4k_m_file_computes_with_its_own_weights(q4k_m_like_model):
     assert (gate_up.dequantized() - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
+def test_a_layers_rows_dequantized_alone_are_those_rows_of_the_whole(q4k_m_like_model):
+    """A trimmed LM head takes its kept rows in float from the quantized head or table without
+    dequantizing the rest (~3 GB for a moment for the 0.5B's): the same values, every format."""
+    from draftwise.loading.hf_folder import load_model
+
+    kinds = set()
+    for mode in ("int4", "int4_all"):
+        model = load_model(q4k_m_like_model, quantization=mode)
+        for name, layer in model.named_modules():
+            whole = layer.rows if hasattr(layer, "rows") else getattr(layer, "dequantized", None)
+            if whole is None or not callable(whole):
+                continue
+            full = layer.dequantized()
+            rows = torch.tensor([full.shape[0] - 1, 0, 3])
+            assert torch.equal(whole(rows), full[rows]), name
+            kinds.add(type(layer).__name__ + ("/" + next(iter(layer.packed_state())) if hasattr(layer, "packed_state") else ""))
+    assert {"Q6KLinear", "Int8Linear"} <= {kind.split("/")[0] for kind in kinds}, kinds
+    assert {"Int4Linear/q4k_strips", "Int4Linear/strips"} <= kinds and any(k.startswith("Int4Embedding") for k in kinds), kinds
+
+
 @needs_kernels
 def test_q4k_m_verification_pass_equals_single_steps_bit_for_bit(q4k_m_like_model):
     from draftwise.loading.hf_folder import load_model

@@ -128,11 +128,10 @@ class ResidentMemory:
     tensors, and what its drafters add: `Proposer.footprint`)."""
 
     def measure(self, config) -> dict:
+        from draftwise.llm.host_memory import resident_bytes
         from draftwise.model.memory import module_bytes
 
         llm = config.llm
         drafters = sum(d.proposer.footprint().weights_bytes for d in llm.engine.drafters.values())
-        with open("/proc/self/statm") as statm:
-            resident_pages = int(statm.read().split()[1])
-        return {"rss_bytes": resident_pages * os.sysconf("SC_PAGE_SIZE"),
+        return {"rss_bytes": resident_bytes(),
                 "weights_bytes": module_bytes(llm.model) + drafters, "drafter_bytes": drafters}

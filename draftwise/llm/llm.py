@@ -15,6 +15,7 @@ from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
+from draftwise.llm.host_memory import release_freed_memory
 from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
@@ -114,6 +115,7 @@ class LLM:
         self.timing_listeners: list = []  # callables taking every engine step's `StepTiming` (any engine)
         self.threads = governor_for(self.runner, adaptive_threads)  # kept across changes of drafter
         self._install(config)
+        release_freed_memory()  # what loading read and let go
         self._request_ids = itertools.count()
         self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish
         self._reported: dict[str, int] = {}  # request id -> tokens already reported by `step`
@@ -126,6 +128,7 @@ class LLM:
         config = SpeculativeConfig.from_value(speculative)
         self._check_drafter(config, progress)
         self._install(config)
+        release_freed_memory()  # the drafter replaced, and what building this one read and let go
 
     def check_speculative(self, speculative: SpeculativeConfig | dict | None) -> None:
         """Refuse a config as `set_speculative` would (bad options, a missing draft model, another

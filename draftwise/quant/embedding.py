@@ -38,13 +38,14 @@ class Int4Embedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         flat = token_ids.reshape(-1)  # [N]
-        return self._rows(flat).view(*token_ids.shape, self.embedding_dim)  # [..., H] float32
+        return self.rows(flat).view(*token_ids.shape, self.embedding_dim)  # [..., H] float32
 
     def dequantized(self) -> torch.Tensor:
         """The whole table [V, H] (for a tied LM head's trimming, and tests)."""
-        return self._rows(torch.arange(self.num_embeddings))
+        return self.rows(torch.arange(self.num_embeddings))
 
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [N] of the table as float32 [N, H] (the rest left packed)."""
         packed = self.nibbles[ids]  # [N, H/2]
         quants = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(len(ids), -1, GROUP).float()  # [N, H/32, 32]
         rows = self.scales[ids][..., None] * quants - self.minimums[ids][..., None]

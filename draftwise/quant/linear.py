@@ -146,18 +146,22 @@ class Int4Linear(nn.Module):
             return NativeLinear("int4_q8", entry["int4_matmul_q8"], (self.strips,), bias, self.out_features)
         return NativeLinear("int4_bf16", entry["int4_matmul"], (self.nibbles, self.scale_min), bias, self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight [N, K] this layer computes with (for tests)."""
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [N, K] this layer computes with (for tests), or its rows `rows` [R] only, [R, K]
+        (a trimmed LM head's: made in float from those rows alone)."""
         if self.layout != PYTORCH:
             quants, scales, minimums = _unpacked(self.packed_state(), self.out_features, self.in_features)
-            groups = quants.view(self.out_features, -1, INT4_GROUP).double()  # [N, K/32, 32]
+            if rows is not None:
+                quants, scales, minimums = quants[rows], scales[rows], minimums[rows]
+            groups = quants.view(len(quants), -1, INT4_GROUP).double()  # [N, K/32, 32]
             weight = scales.double()[..., None] * groups - minimums.double()[..., None]
             if not self.int8_activations:  # the bf16 kernel's fused multiply-subtract rounds to float32, then bf16
                 weight = weight.float().to(KERNEL_DTYPE)
-            return weight.float().view(self.out_features, self.in_features)
+            return weight.float().view(len(quants), self.in_features)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float().contiguous()
+        weight = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float()
+        return (weight if rows is None else weight[rows]).contiguous()
 
 
 def float_bias(bias: torch.Tensor | None) -> bool:
@@ -251,10 +255,12 @@ class Int8Linear(nn.Module):
         return NativeLinear("int8_bf16", entry["int8_matmul"], (self.weight_int8, self.scales_float), detached(self.bias),
                             self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        if self.int8_activations:
-            return unpack_int8_strips(self.strips, self.out_features, self.in_features).float() * self.scales.float()[:, None]
-        return self.weight_int8.float() * self.scales.float()[:, None]
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [N, K] (or its rows `rows` [R] only: [R, K])."""
+        every = slice(None) if rows is None else rows
+        values = unpack_int8_strips(self.strips, self.out_features, self.in_features) if self.int8_activations \
+            else self.weight_int8
+        return values[every].float() * self.scales.float()[every, None]
 
 
 def pack_for_native(quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,8 +57,10 @@ class Q6KLinear(nn.Module):
         return NativeLinear("q6k_q8", self.kernels.entry_points["q6k_matmul_q8"], (self.strips,), detached(self.bias),
                             self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight [N, K] this layer computes with."""
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [N, K] this layer computes with (or its rows `rows` [R] only: [R, K])."""
         q, sub_scales, d = unpack_q6k_strips(self.strips, self.out_features, self.in_features)
+        if rows is not None:
+            q, sub_scales, d = q[rows], sub_scales[rows], d[rows]
         return (d.float().repeat_interleave(SUPER, 1) * sub_scales.float().repeat_interleave(16, 1)
                 * (q.float() - 32))

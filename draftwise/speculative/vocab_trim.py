@@ -98,7 +98,7 @@ def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
 def lm_rows_layer(model: nn.Module, kept_ids: torch.Tensor) -> nn.Module:
     """A layer computing x @ W[kept_ids].T with the model's LM head rows W, in the model's weight
     format ([..., H] -> [..., N'], N' >= N: int4 pads to a multiple of 16 rows)."""
-    weight = head_weight(model)[kept_ids].float().contiguous()  # [N, H]
+    weight = head_rows(model, kept_ids).float().contiguous()  # [N, H]
     mode = model.quantization.mode
     if mode.startswith("int4") and len(kept_ids) % 16:  # the packed int4 kernel wants N % 16 == 0
         weight = torch.cat([weight, weight.new_zeros(16 - len(kept_ids) % 16, weight.shape[1])])
@@ -120,10 +120,12 @@ def rows_dtype(layer: nn.Module) -> torch.dtype:
     return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
 
 
-def head_weight(model: nn.Module) -> torch.Tensor:
-    """The model's LM head weight [V, H] (its embedding table when tied), as float values."""
+def head_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [N] of the model's LM head weight (its embedding table when tied) as float values
+    [N, H], made from those rows alone: dequantizing all of the 0.5B's 151,936 int4 rows first (in
+    double precision) took ~3 GB for a moment to keep 32,768 of them."""
     if model.config.tie_word_embeddings:
         table = model.embed_tokens
-        return table.weight if isinstance(table, nn.Embedding) else table.dequantized()
+        return table.weight[ids] if isinstance(table, nn.Embedding) else table.rows(ids)
     head = model.lm_head
-    return head.weight if isinstance(head, nn.Linear) else head.dequantized()
+    return head.weight[ids] if isinstance(head, nn.Linear) else head.dequantized(ids)

@@ -21,7 +21,7 @@ from draftwise.speculative.heads.head_proposer import HeadProposer, faster_preci
 from draftwise.speculative.heads.store import head_folder
 from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings, training_vocabulary
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
-from draftwise.speculative.vocab_trim import head_weight, kept_token_ids, lm_rows_layer
+from draftwise.speculative.vocab_trim import head_rows, kept_token_ids, lm_rows_layer
 
 KIND = "eagle"
 DEFAULT_KEPT = 32768  # the vocabulary a head trained elsewhere scores (the most frequent tokens)
@@ -79,7 +79,7 @@ def train_eagle_head(model, tokenizer, target_name: str, examples: list[Example]
     kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
     torch.manual_seed(settings.seed)
     head = EagleHead(head_shape(config, settings.head_width), kept)
-    lm_rows = head_weight(model)[head.kept_ids].float().detach().cpu()  # [N, H], frozen
+    lm_rows = head_rows(model, head.kept_ids).float().detach().cpu()  # [N, H], frozen
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -24,7 +24,7 @@ from draftwise.speculative.heads.head_proposer import HeadProposer, faster_preci
 from draftwise.speculative.heads.store import head_folder
 from draftwise.speculative.heads.training import Example, TrainResult, TrainSettings, training_vocabulary
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
-from draftwise.speculative.vocab_trim import head_weight
+from draftwise.speculative.vocab_trim import head_rows
 
 KIND = "eagle3"
 
@@ -85,7 +85,7 @@ def train_eagle3_head(model, tokenizer, target_name: str, examples: list[Example
     torch.manual_seed(settings.seed)
     head = Eagle3Head(head_shape(config, settings.head_width), kept)
     with torch.no_grad():  # its LM head starts as the target's rows (its norm as ones: see eagle3_training.py)
-        head.lm_head.weight.copy_(head_weight(model)[kept].float().cpu())
+        head.lm_head.weight.copy_(head_rows(model, kept).float().cpu())
 
     def embed(ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

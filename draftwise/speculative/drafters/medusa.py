@@ -22,7 +22,7 @@ from draftwise.speculative.heads.training import Example, TrainResult, TrainSett
 from draftwise.speculative.proposer import CachelessProposer, Draft, Footprint
 from draftwise.speculative.registry import DrafterSpec, Target, option, register
 from draftwise.speculative.sequence import SequenceState
-from draftwise.speculative.vocab_trim import head_weight, lm_rows_layer
+from draftwise.speculative.vocab_trim import head_rows, lm_rows_layer
 
 KIND = "medusa"
 
@@ -122,7 +122,7 @@ def train_medusa_head(model, tokenizer, target_name: str, examples: list[Example
     config = model.config
     kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
     heads = MedusaHeads(config.hidden_size, settings.num_heads, kept)
-    lm_rows = head_weight(model)[heads.kept_ids].float().detach().cpu()  # [N, H], frozen
+    lm_rows = head_rows(model, heads.kept_ids).float().detach().cpu()  # [N, H], frozen
     result = train_medusa(heads, lm_rows, examples, config.vocab_size, settings, folder / "checkpoint.pt", progress)
     save_head(folder, heads.state_dict(), {
         "kind": KIND, "num_heads": heads.num_heads, "hidden_size": config.hidden_size,
