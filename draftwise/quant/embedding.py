@@ -41,7 +41,7 @@ class Int4Embedding(nn.Module):
         return self.rows(flat).view(*token_ids.shape, self.embedding_dim)  # [..., H] float32
 
     def dequantized(self) -> torch.Tensor:
-        """The whole table [V, H] (for a tied LM head's trimming, and tests)."""
+        """The whole table [V, H] (for tests; a trimmed head takes its `rows`)."""
         return self.rows(torch.arange(self.num_embeddings))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

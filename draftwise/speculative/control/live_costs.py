@@ -23,10 +23,10 @@ fixed context, and on the held-out translations the real ones took 1.1-1.3x its 
 make the controller buy a catch-up that a 20-token answer never earned back.
 
 The live table is what the controller plans with (`CostModel`'s interface, so nothing else
-changes). When the live plain step sits far from the prior's (PRIOR_FAR either way, over
-WINDOW observations, their fast end compared), the prior was measured under other conditions (a busy machine, another
-load): the cached file is dropped so that the next start measures afresh, and the live costs carry
-on meanwhile.
+changes). When the live plain step sits far from the prior's (PRIOR_FAR either way, over WINDOW
+observations, their fast end compared), the prior was measured under other conditions (a busy
+machine, another load): the cached file is dropped so that the next start measures afresh, and
+the live costs carry on meanwhile.
 """
 
 from __future__ import annotations
