@@ -298,7 +298,11 @@ def test_seeded_sampling_with_trees_equals_plain_seeded_sampling(trained_head, t
     prompts = [TRAINING_PROMPTS[i % len(TRAINING_PROMPTS)] for i in range(6)]
     expected = [plain.generate(prompt, p)[0].token_ids for prompt, p in zip(prompts, params)]
     assert _together(llm, prompts, params) == expected
-    assert llm.spec_metrics.num_accepted_tokens > 0 and llm.spec_metrics.num_draft_tokens > llm.spec_metrics.num_drafts * 3
+    # Trees were drafted and verified at every step (more nodes than a chain of 3). Acceptance is not
+    # asked: at temperature 0.9 the random target's draws are nearly flat over its vocabulary, and a
+    # tree matched them 0 and 2 times in ~2,000 nodes in two runs (the head's training is not
+    # bit-reproducible); the greedy tree tests above ask for acceptance.
+    assert llm.spec_metrics.num_draft_tokens > llm.spec_metrics.num_drafts * 3
 
 
 def _together(llm, prompts, params) -> list[list[int]]:

@@ -101,10 +101,14 @@ def test_the_compiled_step_has_no_graph_break_and_no_recompile(model):
     buckets = compiled.static_step._seen
     assert buckets == {(4, 1, 1), (4, 8, 1), (4, 8, 8)}
     assert counters["stats"]["unique_graphs"] - graphs_before == len(buckets) == compiled.static_step.compilations
+    tolerance = 0.1 if model.quantization.mode == "int4" else 1e-4
     for step, (a, b) in enumerate(zip(expected, got)):
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"pass {step}: another token"
-        tolerance = 0.1 if model.quantization.mode == "int4" else 1e-4
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=f"pass {step}")
+        # The same token wherever the eager pass's choice is not a near tie that a rounding within the
+        # tolerance may flip (a random model has such ties: one flipped in one CI run of two).
+        best, second = a.topk(2, dim=-1).values.unbind(-1)
+        decided = best - second > 2 * tolerance * (1 + best.abs())
+        assert torch.equal(a.argmax(-1)[decided], b.argmax(-1)[decided]), f"pass {step}: another token"
 
 
 def test_step_modes_are_checked(tiny_qwen):
