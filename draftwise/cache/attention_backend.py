@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from draftwise import native
-from draftwise.cache import triton_attention
 
 PER_QUERY_MAX = 64
 KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -54,8 +53,10 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str |
     if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256 \
             and native_kernels() is not None:
         return "native"
-    if device.type == "cuda" and triton_attention.available() and head_dim in (64, 128, 256):
-        return "triton"
+    if device.type == "cuda" and head_dim in (64, 128, 256):
+        from draftwise.cache import triton_attention  # (Triton only where there is a GPU: ~70 MB resident)
+        if triton_attention.available():
+            return "triton"
     return None
 
 
@@ -63,7 +64,10 @@ def kernel_attention(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: t
                      block_tables: torch.Tensor, block_size: int, query_rows: torch.Tensor,
                      positions: torch.Tensor, path_start: torch.Tensor | None = None,
                      path: torch.Tensor | None = None, *, scale: float | None = None, window: int = 0) -> torch.Tensor:
-    attend = native_attention if kernel == "native" else triton_attention.triton_attention
+    if kernel == "native":
+        attend = native_attention
+    else:
+        from draftwise.cache.triton_attention import triton_attention as attend
     return attend(q, keys, values, block_tables, block_size, query_rows, positions, path_start, path,
                   scale=scale, window=window)
 

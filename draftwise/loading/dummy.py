@@ -8,6 +8,7 @@ import torch
 
 from draftwise.model.config import ModelConfig
 from draftwise.model.transformer import Transformer
+from draftwise.model.unallocated import unallocated_transformer
 
 INIT_STD = 0.02  # the usual initializer range of Llama-family configs
 SEED = 0
@@ -16,8 +17,7 @@ SEED = 0
 @torch.no_grad()
 def dummy_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> Transformer:
     """A `Transformer` on `device` in `dtype`: matrices ~ N(0, INIT_STD^2), norms 1, biases 0."""
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = unallocated_transformer(config)
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(SEED)
     for name, parameter in model.named_parameters():

@@ -15,6 +15,7 @@ from draftwise.model.onednn_linear import pack_linear_layers
 from draftwise.quant.apply import QuantizationReport, check_quantization, float_free_weights, quantize_model
 from draftwise.quant.packed_cache import cache_path, load_packed, save_packed
 from draftwise.model.transformer import Transformer
+from draftwise.model.unallocated import unallocated_transformer
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -168,8 +169,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
             return cached
     # Weights that quantizing takes whole from the file's integers are not read (meta placeholders
     # until their layers are replaced); the rest are, and each float layer is freed as it is quantized.
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = unallocated_transformer(config)
     unread = float_free_weights(model, mode, folder) if mode != "none" else set()
     tensors = _offset_norms(_read_tensors(folder, unread=unread), config)  # (its errors name the folder)
     try:
@@ -203,8 +203,7 @@ def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transfor
     path = cache_path(folder, mode)
     if not path.is_file():
         return None
-    with torch.device("meta"):
-        model = Transformer(config)
+    model = unallocated_transformer(config)
     report = load_packed(path, model)
     if report is None:
         return None

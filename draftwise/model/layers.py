@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftwise.model import native_layer_ops, triton_rmsnorm
+from draftwise.model import native_layer_ops
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
@@ -18,8 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_rmsnorm.available() and self.weight.dtype == x.dtype:
-            return triton_rmsnorm.rms_norm(x, self.weight, self.eps)  # batch-invariant on the GPU
+        if x.is_cuda and self.weight.dtype == x.dtype:
+            from draftwise.model import triton_rmsnorm  # (Triton only where there is a GPU: ~70 MB resident)
+            if triton_rmsnorm.available():
+                return triton_rmsnorm.rms_norm(x, self.weight, self.eps)  # batch-invariant on the GPU
         if native_layer_ops.usable(x) and self.weight.dtype == x.dtype and x.shape[-1] % 16 == 0:  # one call on the CPU
             flat = x.reshape(-1, x.shape[-1]).contiguous()  # [N, H]
             return native_layer_ops.layer_ops().rms_norm(flat, self.weight.detach(), self.eps).view(x.shape)

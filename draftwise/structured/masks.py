@@ -4,12 +4,16 @@ llguidance writes one bitmask per position (int32 words, bit j of word w = token
 row r with draft d_1..d_k, position 0 is the mask after its committed tokens and position i the
 mask after d_1..d_i (computed by advancing through the draft and rolling back; positions after a
 token outside the grammar stay all-allowed, since verification stops at that token anyway).
+
+Through llguidance's numpy API, not its torch one: `llguidance.torch` imports torch's compiler
+(dynamo, inductor, Triton) for a function this module does not use, ~190 MB resident and ~2 s at
+import in every process that imports the engine, constrained requests or not.
 """
 
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from draftwise.structured.matcher import RequestGrammar
@@ -27,14 +31,14 @@ def executor() -> llguidance.LLExecutor:
 def fill_masks(rows: list[tuple[RequestGrammar, list[int]]], width: int, vocab_size: int) -> torch.Tensor:
     """bitmask [R * width, W] int32: row r's masks at positions 0..len(draft) from r * width on (the
     rest all-allowed). width: at least the longest draft + 1."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows) * width, vocab_size)  # all bits set
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(rows) * width, vocab_size)  # all bits set
     with_drafts = [(grammar.matcher, r * width, draft) for r, (grammar, draft) in enumerate(rows) if draft]
     without = [(grammar.matcher, r * width) for r, (grammar, draft) in enumerate(rows) if not draft]
     if with_drafts:
-        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(executor(), with_drafts, bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(executor(), with_drafts, bitmask)
     if without:
-        llguidance.torch.fill_next_token_bitmask_par(executor(), without, bitmask)
-    return bitmask
+        llguidance.numpy.fill_next_token_bitmask_par(executor(), without, bitmask)
+    return torch.from_numpy(bitmask)  # (shares the array's memory)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
