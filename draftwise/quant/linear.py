@@ -34,7 +34,8 @@ from draftwise.model.native_decoder import NativeLinear
 from draftwise.quant import native_ops
 from draftwise.quant.activation_choice import int8_activations
 from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels
-from draftwise.quant.superblock_strips import SUPER, kernel_available, pack_q4k_strips, strip_nibbles, unpack_q4k_strips, unstrip_nibbles
+from draftwise.quant.superblock_strips import (SUPER, kernel_available, pack_q4k_strips, rows_of_strips, strip_nibbles,
+                                               unpack_q4k_strips, unstrip_nibbles)
 
 INT4_GROUP = 32
 NATIVE_K_MULTIPLE = 64  # the native kernels take input features in pairs of groups
@@ -150,18 +151,25 @@ class Int4Linear(nn.Module):
         """The weight [N, K] this layer computes with (for tests), or its rows `rows` [R] only, [R, K]
         (a trimmed LM head's: made in float from those rows alone)."""
         if self.layout != PYTORCH:
-            quants, scales, minimums = _unpacked(self.packed_state(), self.out_features, self.in_features)
-            if rows is not None:
-                quants, scales, minimums = quants[rows], scales[rows], minimums[rows]
-            groups = quants.view(len(quants), -1, INT4_GROUP).double()  # [N, K/32, 32]
-            weight = scales.double()[..., None] * groups - minimums.double()[..., None]
-            if not self.int8_activations:  # the bf16 kernel's fused multiply-subtract rounds to float32, then bf16
-                weight = weight.float().to(KERNEL_DTYPE)
-            return weight.float().view(len(quants), self.in_features)
+            if rows is not None:  # the strips holding the rows, a few at a time
+                per_strip = 4 if self.layout == NIBBLES else STRIP
+                state = {key: value for key, value in self.packed_state().items() if key != "shape"}
+                return rows_of_strips(rows, lambda strips, n: self._weight({key: value[strips] for key, value
+                                                                            in state.items()}, n), per_strip)
+            return self._weight(self.packed_state(), self.out_features)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         weight = torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, self.packed_weight, INT4_GROUP, self.scales_and_zeros).t().float()
         return (weight if rows is None else weight[rows]).contiguous()
+
+    def _weight(self, state: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """The float weight [n, K] of a packed state (a native layout's; all of it or some strips)."""
+        quants, scales, minimums = _unpacked(state, n, self.in_features)
+        groups = quants.view(n, -1, INT4_GROUP).double()  # [n, K/32, 32]
+        weight = scales.double()[..., None] * groups - minimums.double()[..., None]
+        if not self.int8_activations:  # the bf16 kernel's fused multiply-subtract rounds to float32, then bf16
+            weight = weight.float().to(KERNEL_DTYPE)
+        return weight.float().view(n, self.in_features)
 
 
 def float_bias(bias: torch.Tensor | None) -> bool:
@@ -258,9 +266,13 @@ class Int8Linear(nn.Module):
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight [N, K] (or its rows `rows` [R] only: [R, K])."""
         every = slice(None) if rows is None else rows
-        values = unpack_int8_strips(self.strips, self.out_features, self.in_features) if self.int8_activations \
-            else self.weight_int8
-        return values[every].float() * self.scales.float()[every, None]
+        if not self.int8_activations:
+            return self.weight_int8[every].float() * self.scales.float()[every, None]
+        if rows is None:
+            return unpack_int8_strips(self.strips, self.out_features, self.in_features).float() * self.scales.float()[:, None]
+        values = rows_of_strips(rows, lambda strips, n: unpack_int8_strips(self.strips[strips], n, self.in_features)
+                                .float())  # the strips holding the rows, a few at a time
+        return values * self.scales.float()[rows, None]
 
 
 def pack_for_native(quants: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,7 +306,8 @@ def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     groups = weight.float().view(weight.shape[0], -1, INT4_GROUP)  # [N, K/32, 32]
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp(min=1e-12)
-    quants = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    steps = groups - low[..., None]  # (one float temporary, worked in place: a 32,768-row head's took 2x more)
+    quants = steps.div_(scales[..., None]).round_().clamp_(0, 15).to(torch.uint8)
     return quants.view(weight.shape), scales, -low  # weight ~ scale * q - minimum with minimum = -low
 
 

@@ -12,7 +12,7 @@ from draftwise.model.native_decoder import NativeLinear
 from draftwise.quant import native_ops
 from draftwise.quant.linear import detached, float_bias
 from draftwise.quant.native import kernels as native_kernels
-from draftwise.quant.superblock_strips import SUPER, kernel_available, pack_q6k_strips, unpack_q6k_strips
+from draftwise.quant.superblock_strips import SUPER, kernel_available, pack_q6k_strips, rows_of_strips, unpack_q6k_strips
 
 
 def q6k_kernel_available(in_features: int) -> bool:
@@ -59,8 +59,12 @@ class Q6KLinear(nn.Module):
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight [N, K] this layer computes with (or its rows `rows` [R] only: [R, K])."""
-        q, sub_scales, d = unpack_q6k_strips(self.strips, self.out_features, self.in_features)
-        if rows is not None:
-            q, sub_scales, d = q[rows], sub_scales[rows], d[rows]
-        return (d.float().repeat_interleave(SUPER, 1) * sub_scales.float().repeat_interleave(16, 1)
-                * (q.float() - 32))
+        if rows is not None:  # the strips holding the rows, a few at a time
+            return rows_of_strips(rows, lambda strips, n: _weight(self.strips[strips], n, self.in_features))
+        return _weight(self.strips, self.out_features, self.in_features)
+
+
+def _weight(strips: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The float weight [n, K] of Q6_K strips [n/16, K/256, bytes]."""
+    q, sub_scales, d = unpack_q6k_strips(strips, n, k)
+    return d.float().repeat_interleave(SUPER, 1) * sub_scales.float().repeat_interleave(16, 1) * (q.float() - 32)

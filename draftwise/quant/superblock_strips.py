@@ -12,6 +12,7 @@ compare the two.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +34,27 @@ def kernel_available(name: str, in_features: int) -> bool:
     native = kernels()
     return (native is not None and hasattr(native, name) and in_features % SUPER == 0
             and os.environ.get(ACTIVATIONS_ENV, "1") != "0" and os.environ.get(SUPERBLOCKS_ENV, "1") != "0")
+
+
+def rows_of_strips(rows: torch.Tensor, unpack: Callable[[torch.Tensor, int], torch.Tensor],
+                   per_strip: int = STRIP, strips_at_once: int = 512) -> torch.Tensor:
+    """Channels `rows` [R] of a layer in strips, as float [R, K], from `unpack(strips, n)` (the float
+    weight [n, K] of the strips selected [S], n = S per_strip), strips_at_once at a time: a trimmed
+    LM head's 32,768 most frequent of 151,936 rows lie in nearly every strip, and unpacking them all
+    at once took ~400 MB for a moment (the 0.5B's int8 head) to keep 117."""
+    strip = rows // per_strip  # [R]
+    out = None
+    for first in range(0, int(strip.max()) + 1 if len(rows) else 0, strips_at_once):
+        inside = (strip >= first) & (strip < first + strips_at_once)  # [R]
+        if not inside.any():
+            continue
+        strips = torch.unique(strip[inside])  # [S]
+        local = torch.searchsorted(strips, strip[inside]) * per_strip + rows[inside] % per_strip
+        values = unpack(strips, len(strips) * per_strip)[local]  # [R', K]
+        if out is None:
+            out = values.new_empty(len(rows), values.shape[1])
+        out[inside] = values
+    return out
 
 
 def strip_nibbles(quants: torch.Tensor) -> torch.Tensor:
