@@ -335,3 +335,7 @@ def test_the_replicas_suite_measures_throughput_and_affinity(tiny_qwen, tmp_path
     assert all(a["answered"] == a["turns"] == 4 for a in affinity.values())
     assert affinity["affinity"]["hits"] > 0
     assert "prefix-cache hit rate" in report.markdown and "| 2x1 | 2 x 1 |" in report.markdown
+    # where the CPU time went: each role found by its command line, the replicas' and the ingress's included
+    assert "Where the machine's CPU time went" in report.markdown
+    for run in report.data["runs"]["2x1"]:
+        assert run["cpu"].get("engine replicas", 0) > 0 and "ingress" in run["cpu"], run["cpu"]

@@ -16,9 +16,11 @@ held.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import urllib.request
 
+from draftwise.benchmark import cpu_shares
 from draftwise.benchmark.loadgen import Server, client_for, drive
 from draftwise.benchmark.report import SuiteReport, control_line, ratio, table
 from draftwise.benchmark.suites import BenchSettings
@@ -48,8 +50,11 @@ def run(settings: BenchSettings) -> SuiteReport:
             with _server(common + ["--replicas", str(replicas), "--threads-per-replica", str(threads)],
                          settings, f"{name.replace(' ', '-')}-{round_index}") as server:
                 _warm_up(server, prompts[0][1])
+                before, started = cpu_shares.snapshot(), time.perf_counter()
                 runs[name].append(asyncio.run(drive(server.base, server.model, prompts, clients, max_tokens,
                                                     settings.time_limit)))
+                runs[name][-1]["cpu"] = cpu_shares.cpu_seconds(before, cpu_shares.snapshot())
+                runs[name][-1]["wall"] = time.perf_counter() - started
             if settings.progress:
                 print(f"round {round_index + 1}/{ROUNDS}: {name} {runs[name][-1]['tokens_per_s']:.1f} tokens/s",
                       flush=True)
@@ -62,6 +67,10 @@ def run(settings: BenchSettings) -> SuiteReport:
              " / ".join(f"{r['tokens_per_s']:.1f}" for r in runs[name]), f"{p['ttft_p50']:.2f}",
              f"{p['latency_p50']:.1f}", f"{p['finished']}/{p['requests']}", p["errors"]]
             for name, p in pooled.items()]
+    roles = sorted({role for results in runs.values() for r in results for role in r["cpu"]})
+    cores = os.cpu_count() or 1
+    cpu_rows = [[name, *(_share(runs[name], role, cores) for role in roles),
+                 _share(runs[name], None, cores)] for name in CONFIGS]
     affinity_rows = [[routing, f"{a['hit_rate']:.0%}", f"{a['hits']:,} / {a['queries']:,}", f"{a['turn_p50']:.2f}",
                       f"{a['answered']}/{a['turns']}"] for routing, a in affinity.items()]
     text = "\n\n".join([
@@ -72,6 +81,9 @@ def run(settings: BenchSettings) -> SuiteReport:
         control_line(pooled["1x1 (control)"]["speedup"], baseline=BASELINE, control="1x1 (control)"),
         table(["config", "replicas x threads", "tokens/s", f"vs {BASELINE}", "tokens/s per round", "TTFT p50 s",
                "latency p50 s", "finished", "errors"], rows),
+        f"Where the machine's CPU time went while the clients ran (share of {cores} cores x the run's wall time, "
+        "both rounds; from /proc, each process by its command line):",
+        table(["config", *roles, "idle"], cpu_rows),
         f"Affinity: two replicas, {CONVERSATIONS} conversations of {TURNS} turns in parallel (each its own system "
         f"prompt of ~{len(SYSTEM) // 4} tokens, its history growing; up to {TURN_TOKENS} tokens a turn). Prefix-cache "
         "hit rate over both replicas: prompt tokens found in the cache / looked up.",
@@ -108,6 +120,13 @@ def _warm_up(server: Server, prompt: str) -> None:
         await client.close()
 
     asyncio.run(once())
+
+
+def _share(results: list[dict], role: str | None, cores: int) -> str:
+    """A role's CPU seconds over the runs as a share of the cores' time (None: what nobody used)."""
+    capacity = cores * sum(r["wall"] for r in results)
+    used = sum(sum(r["cpu"].values()) if role is None else r["cpu"].get(role, 0.0) for r in results)
+    return f"{(capacity - used if role is None else used) / capacity:.0%}"
 
 
 def _pool(results: list[dict]) -> dict:
