@@ -296,13 +296,31 @@ def test_replicas_split_the_clients_and_sum_what_each_serves():
     # one replica: throughput saturates past 4 clients, latency grows with them
     one = {"plain": {1: point(10, 1.0), 4: point(30, 2.0), 8: point(32, 4.0)},
            "ngram k=2": {1: point(14, 0.8), 4: point(33, 1.9), 8: point(33, 4.2)}}
-    fleet = predict_fleet(one, (1, 8), FleetOptions((1, 2), 1, target_qps=1.0, slo_p95=2.5), mean_output_tokens=32)
+    fleet = predict_fleet(one, (1, 8), FleetOptions((1, 2), 1, target_qps=1.0, slo_p95=2.5, cores=8),
+                          mean_output_tokens=32)
     two_at_8 = fleet["best"][2][8]
     assert two_at_8["config"] == "ngram k=2" and two_at_8["tokens_per_second"] == 66 and two_at_8["shares"] == [4, 4]
     assert fleet["best"][2][1]["tokens_per_second"] == 14  # (one client: the other replica idles)
     # 1 request/s = 32 tokens/s within 2.5 s: one replica cannot (33 tokens/s only at p95 4.2 s), two can
     assert fleet["target"]["replicas"] == 2 and fleet["target"]["latency_p95"] <= 2.5
     assert predict_fleet(one, (8,), FleetOptions((1,), 1, target_qps=5.0), 32)["target"] is None
+
+
+def test_replicas_that_do_not_fit_the_cores_share_them():
+    """Two replicas of one thread on 2 cores share them with the serving stack: each gets (2 - SERVING_CORES)
+    / 2 of its thread's time, its throughput scaled down and its latency up; one replica, or the same two
+    on 8 cores, are not scaled."""
+    from draftwise.planner.fleet import SERVING_CORES, FleetOptions, predict_fleet
+
+    one = {"plain": {4: {"tokens_per_second": 30.0, "latency_p95": 2.0}, 8: {"tokens_per_second": 40.0,
+                                                                             "latency_p95": 3.0}}}
+    small = predict_fleet(one, (8,), FleetOptions((1, 2), 1, cores=2), 32)["best"]
+    share = (2 - SERVING_CORES) / 2
+    assert small[1][8]["tokens_per_second"] == 40.0 and small[1][8]["core_share"] == 1.0
+    assert small[2][8]["tokens_per_second"] == pytest.approx(60.0 * share)
+    assert small[2][8]["latency_p95"] == pytest.approx(2.0 / share)
+    large = predict_fleet(one, (8,), FleetOptions((1, 2), 1, cores=8), 32)["best"]
+    assert large[2][8]["tokens_per_second"] == 60.0 and large[2][8]["core_share"] == 1.0
 
 
 def test_a_target_load_needs_replica_counts():

@@ -10,9 +10,17 @@ summed:
     tokens/s (R, C, config) = sum over replicas i of tokens/s (one replica, share_i, config)
     p95 latency (R, C, config) = the largest p95 among the shares
 
-with the same configuration in every replica. Memory bandwidth is shared too: replicas of one
-machine each read their own copy of the weights, so where one replica already saturates it the sum
-is optimistic; `draftwise bench --suite replicas` measures it (BENCHMARKS.md, "replicas").
+with the same configuration in every replica, as long as the machine has the cores: the replicas'
+threads and the serving stack beside them (Ray Serve's proxy, the ingress, Ray's daemons: SERVING_CORES,
+measured). Where they do not fit, the replicas share what is left, each getting
+
+    core share (R) = min(1, (cores - SERVING_CORES) / (R threads_per_replica))
+
+of its threads' time, and its throughput and latency are scaled by it (two replicas of one thread
+on 2 cores: 0.85; measured there, the replicas got 1.56 of the 2 cores and the proxy, ingress and
+daemons 0.30, the load generator 0.04). Memory bandwidth is shared too: replicas of one machine each
+read their own copy of the weights, so where one replica already saturates it the sum is still
+optimistic; `draftwise bench --suite replicas` measures it (BENCHMARKS.md, "replicas").
 
 A target (`target_qps` requests per second, within `slo_p95` seconds at the 95th percentile) picks
 the smallest replica count, and at it the client count and configuration, that meets it.
@@ -20,7 +28,13 @@ the smallest replica count, and at it the client count and configuration, that m
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+# Cores the serving stack beside the replicas takes: Ray Serve's proxy (3%), the ingress (7%) and
+# Ray's daemons (5%) of a 2-core AMD EPYC while two replicas served 8 streaming clients
+# (BENCHMARKS.md, "Replicas with the CPU time accounted, role by role").
+SERVING_CORES = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +43,14 @@ class FleetOptions:
     threads_per_replica: int = 1
     target_qps: float | None = None  # requests per second wanted
     slo_p95: float | None = None  # seconds, end to end, at the 95th percentile
+    cores: int | None = None  # the machine's cores (None: this machine's)
+
+
+def core_share(replicas: int, options: FleetOptions) -> float:
+    """The share of its threads' time each of `replicas` replicas gets beside the serving stack."""
+    cores = options.cores or os.cpu_count() or 1
+    wanted = replicas * options.threads_per_replica
+    return min(1.0, max(cores - SERVING_CORES, 0.0) / wanted) if wanted + SERVING_CORES > cores else 1.0
 
 
 def shares(clients: int, replicas: int) -> list[int]:
@@ -51,14 +73,15 @@ def predict_fleet(one_replica: dict[str, dict[int, dict]], levels: tuple[int, ..
     rows = []
     for replicas in options.replicas:
         for clients in levels:
-            split = shares(clients, replicas)
+            split, share = shares(clients, replicas), core_share(len(shares(clients, replicas)), options)
             for config, by_share in one_replica.items():
-                points = [by_share[share] for share in split]
-                tokens_per_second = sum(p["tokens_per_second"] for p in points)
+                points = [by_share[clients_here] for clients_here in split]
+                tokens_per_second = share * sum(p["tokens_per_second"] for p in points)
                 rows.append({"replicas": replicas, "clients": clients, "config": config,
                              "tokens_per_second": tokens_per_second,
                              "requests_per_second": tokens_per_second / mean_output_tokens if mean_output_tokens else 0.0,
-                             "latency_p95": max(p["latency_p95"] for p in points), "shares": split})
+                             "latency_p95": max(p["latency_p95"] for p in points) / share, "shares": split,
+                             "core_share": share})
     best: dict[int, dict[int, dict]] = {}
     for row in rows:
         current = best.setdefault(row["replicas"], {}).get(row["clients"])
@@ -81,16 +104,19 @@ def meeting_target(rows: list[dict], options: FleetOptions) -> dict | None:
 
 
 def render_fleet(fleet: dict, options: FleetOptions) -> list[str]:
+    cores = options.cores or os.cpu_count() or 1
     lines = ["", f"Replicas of {options.threads_per_replica} thread(s) each (the plan's costs are one such "
-             "replica's; clients split evenly across replicas; the same configuration in each):", "",
-             "| replicas | clients | best configuration | tok/s | requests/s | p95 s | vs 1 replica |",
-             "|---|---|---|---|---|---|---|"]
+             "replica's; clients split evenly across replicas; the same configuration in each; core share: what "
+             f"each replica gets of its threads' time on {cores} cores beside the serving stack's ~{SERVING_CORES:g}):",
+             "", "| replicas | clients | best configuration | tok/s | requests/s | p95 s | core share | vs 1 replica |",
+             "|---|---|---|---|---|---|---|---|"]
     for replicas, by_clients in sorted(fleet["best"].items()):
         for clients, row in sorted(by_clients.items()):
             single = fleet["best"].get(1, {}).get(clients)
             versus = f"{row['tokens_per_second'] / single['tokens_per_second']:.2f}x" if single else "-"
+            share = row.get("core_share", 1.0)  # (plans saved before the core share have none)
             lines.append(f"| {replicas} | {clients} | {row['config']} | {row['tokens_per_second']:.1f} | "
-                         f"{row['requests_per_second']:.2f} | {row['latency_p95']:.1f} | {versus} |")
+                         f"{row['requests_per_second']:.2f} | {row['latency_p95']:.1f} | {share:.2f} | {versus} |")
     if options.target_qps is not None:
         target = fleet["target"]
         slo = f" within a p95 of {options.slo_p95:g} s" if options.slo_p95 is not None else ""
