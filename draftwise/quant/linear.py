@@ -269,7 +269,8 @@ class Int8Linear(nn.Module):
         if not self.int8_activations:
             return self.weight_int8[every].float() * self.scales.float()[every, None]
         if rows is None:
-            return unpack_int8_strips(self.strips, self.out_features, self.in_features).float() * self.scales.float()[:, None]
+            values = unpack_int8_strips(self.strips, self.out_features, self.in_features)  # [N, K]
+            return values.float() * self.scales.float()[:, None]
         values = rows_of_strips(rows, lambda strips, n: unpack_int8_strips(self.strips[strips], n, self.in_features)
                                 .float())  # the strips holding the rows, a few at a time
         return values * self.scales.float()[rows, None]

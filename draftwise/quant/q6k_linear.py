@@ -12,7 +12,8 @@ from draftwise.model.native_decoder import NativeLinear
 from draftwise.quant import native_ops
 from draftwise.quant.linear import detached, float_bias
 from draftwise.quant.native import kernels as native_kernels
-from draftwise.quant.superblock_strips import SUPER, kernel_available, pack_q6k_strips, rows_of_strips, unpack_q6k_strips
+from draftwise.quant.superblock_strips import (SUPER, kernel_available, pack_q6k_strips, rows_of_strips,
+                                               unpack_q6k_strips)
 
 
 def q6k_kernel_available(in_features: int) -> bool:
