@@ -42,3 +42,31 @@ def test_the_shell_has_no_storage_and_torch_init_is_restored(tiny_qwen):
     init.normal_(weight)  # the real one again
     assert weight.abs().sum() > 0
 
+
+def test_another_thread_initializes_its_modules_while_a_shell_is_built(tiny_qwen, monkeypatch):
+    """The fills are patched for the whole process while a shell is built, but skipped only in the
+    building thread: a module made meanwhile in another thread gets its random weights."""
+    import threading
+
+    from draftwise.model import unallocated
+
+    built, made = threading.Event(), {}
+    config = ModelConfig.from_hf_dict(json.loads((tiny_qwen / "config.json").read_text()))
+    real_transformer = unallocated.Transformer
+
+    def slow_shell(config):  # (the shell is being built while the other thread makes its layer)
+        thread = threading.Thread(target=lambda: made.setdefault("layer", _seeded_layer()))
+        thread.start()
+        thread.join()
+        built.set()
+        return real_transformer(config)
+
+    monkeypatch.setattr(unallocated, "Transformer", slow_shell)
+    unallocated.unallocated_transformer(config)
+    assert built.is_set() and not made["layer"].weight.is_meta
+    assert torch.equal(made["layer"].weight, _seeded_layer().weight)  # initialized, not left as allocated
+
+
+def _seeded_layer() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4)

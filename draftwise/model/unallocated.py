@@ -23,6 +23,7 @@ from draftwise.model.transformer import Transformer
 _FILLS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
           "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
 _LOCK = threading.Lock()  # (two loads at once, in a server's threads, must not restore each other's patch)
+_SKIPPING = threading.local()  # set in the thread building a shell: only its fills are skipped
 
 
 def unallocated_transformer(config: ModelConfig) -> Transformer:
@@ -33,15 +34,21 @@ def unallocated_transformer(config: ModelConfig) -> Transformer:
 
 @contextmanager
 def _fills_skipped():
+    """torch.nn.init's fills skipped in this thread (another thread building a module meanwhile gets
+    them as ever: the patch is process-wide, the skipping is not)."""
     saved = {name: getattr(init, name) for name in _FILLS if hasattr(init, name)}
+    _SKIPPING.on = True
     try:
-        for name in saved:
-            setattr(init, name, _unchanged)
+        for name, fill in saved.items():
+            setattr(init, name, _skipped_here(fill))
         yield
     finally:
+        _SKIPPING.on = False
         for name, fill in saved.items():
             setattr(init, name, fill)
 
 
-def _unchanged(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return tensor
+def _skipped_here(fill):
+    def maybe(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return tensor if getattr(_SKIPPING, "on", False) else fill(tensor, *args, **kwargs)
+    return maybe
