@@ -48,9 +48,13 @@ class FleetOptions:
 
 def core_share(replicas: int, options: FleetOptions) -> float:
     """The share of its threads' time each of `replicas` replicas gets beside the serving stack."""
-    cores = options.cores or os.cpu_count() or 1
+    cores = machine_cores(options)
     wanted = replicas * options.threads_per_replica
     return min(1.0, max(cores - SERVING_CORES, 0.0) / wanted) if wanted + SERVING_CORES > cores else 1.0
+
+
+def machine_cores(options: FleetOptions) -> int:
+    return options.cores or os.cpu_count() or 1
 
 
 def shares(clients: int, replicas: int) -> list[int]:
@@ -73,7 +77,8 @@ def predict_fleet(one_replica: dict[str, dict[int, dict]], levels: tuple[int, ..
     rows = []
     for replicas in options.replicas:
         for clients in levels:
-            split, share = shares(clients, replicas), core_share(len(shares(clients, replicas)), options)
+            split = shares(clients, replicas)
+            share = core_share(len(split), options)
             for config, by_share in one_replica.items():
                 points = [by_share[clients_here] for clients_here in split]
                 tokens_per_second = share * sum(p["tokens_per_second"] for p in points)
@@ -104,7 +109,7 @@ def meeting_target(rows: list[dict], options: FleetOptions) -> dict | None:
 
 
 def render_fleet(fleet: dict, options: FleetOptions) -> list[str]:
-    cores = options.cores or os.cpu_count() or 1
+    cores = machine_cores(options)
     lines = ["", f"Replicas of {options.threads_per_replica} thread(s) each (the plan's costs are one such "
              "replica's; clients split evenly across replicas; the same configuration in each; core share: what "
              f"each replica gets of its threads' time on {cores} cores beside the serving stack's ~{SERVING_CORES:g}):",
