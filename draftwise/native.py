@@ -100,13 +100,26 @@ def build(family: str, builds: tuple[Build, ...]):
     return compile_build(family, chosen(builds))
 
 
+def build_folder(family: str, which: Build) -> Path:
+    """Where a build's objects and extension go: one folder per family, ISA, sources and PyTorch."""
+    version = torch.__version__.replace("+", "-")
+    return cache_root() / "kernels" / f"{family}-{which.isa}-{which.digest()}-torch{version}"
+
+
+def needs_compiling(family: str, builds: tuple[Build, ...]) -> bool:
+    """Whether the build this machine takes is yet to be compiled here (False where none can be had)."""
+    if unavailable_reason(builds) is not None:
+        return False
+    which = chosen(builds)
+    return not (build_folder(family, which) / f"draftwise_{family}_{which.isa}_{which.digest()}.so").exists()
+
+
 def compile_build(family: str, which: Build):
     """One build compiled (or loaded from the cache), whatever this machine would choose; None if it fails."""
     from torch.utils import cpp_extension
 
     digest = which.digest()
-    version = torch.__version__.replace("+", "-")
-    folder = cache_root() / "kernels" / f"{family}-{which.isa}-{digest}-torch{version}"
+    folder = build_folder(family, which)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(name=f"draftwise_{family}_{which.isa}_{digest}",

@@ -16,6 +16,7 @@ from draftwise.engine.thread_governor import governor_for
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
 from draftwise.llm.host_memory import release_freed_memory
+from draftwise.llm.kernel_builds import start_kernel_builds
 from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
@@ -86,11 +87,13 @@ class LLM:
             raise InvalidParameterError(f"enforce_eager=True runs no {step_mode!r} step: pass one or the other")
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
-        self.model_folder = resolve_model(model, progress=progress)
+        kernel_builds = start_kernel_builds(self.device.type, progress)  # beside fetching and converting
+        self.model_folder = resolve_model(model, progress=progress)  # (an error here does not wait for them)
         self.model_name = model
         self.tokenizer = Tokenizer(self.model_folder)
         config = SpeculativeConfig.from_value(speculative)
         self._check_drafter(config, progress)  # before any weights load: fail fast
+        kernel_builds.wait()
         self.model = load_model(self.model_folder, self.device, self.dtype, quantization=quantization,
                                 load_format=load_format)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
