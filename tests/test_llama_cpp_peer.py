@@ -106,3 +106,30 @@ def test_kernels_suite_says_why_llama_cpp_did_not_run(settings, monkeypatch, tmp
 def test_llama_cpp_peer_belongs_to_the_kernels_suite(capsys):
     assert main(["bench", "--suite", "speculative", "--peers", "llama.cpp"]) != 0
     assert "--peers llama.cpp runs beside the kernels suite" in capsys.readouterr().err
+
+
+def test_on_amx_cpus_llama_cpp_runs_without_repacking_and_a_signal_is_named(monkeypatch):
+    """The pinned llama.cpp's AMX path dies with SIGILL in prompt processing: on CPUs with AMX its
+    tools run with repacking off; a tool killed by a signal is reported by the signal's name."""
+    import subprocess
+    from pathlib import Path
+
+    from draftwise.benchmark import llama_cpp
+
+    commands, results = [], []
+    monkeypatch.setattr(llama_cpp.subprocess, "run", lambda command, **_: (commands.append(command), results.pop(0))[1])
+    bench_output = json.dumps([{"samples_ns": [10**9]}])
+    for repack in (True, False):
+        config = llama_cpp.LlamaCppConfig("llama.cpp plain", {"llama-bench": Path("llama-bench"),
+                                                              "llama-speculative-simple": Path("llama-speculative-simple")},
+                                          Path("t.gguf"), Path("d.gguf"), None, 8, 2, repack=repack)
+        results[:] = [subprocess.CompletedProcess([], 0, bench_output, ""),
+                      subprocess.CompletedProcess([], 0, "", SPECULATIVE_OUTPUT)]
+        assert config.forward_pass_seconds((4,), 16, 1) == {4: 1.0}
+        config._speculate("def f():")
+        bench, speculate = commands[-2:]
+        assert ("--repack" in bench and bench[bench.index("--repack") + 1] == "0") is not repack
+        assert ("--no-repack" in speculate) is not repack
+    results[:] = [subprocess.CompletedProcess([], -4, "", "")]
+    with pytest.raises(LlamaCppFailed, match="llama-bench was killed by SIGILL"):
+        config.forward_pass_seconds((4,), 16, 1)

@@ -15,12 +15,18 @@ Forward passes over n tokens (the `ForwardCost` probe): `llama-bench -p n -n 0 -
 median of its repetitions: a pass of n new tokens after a CONTEXT-token cache, like draftwise's.
 Other probes are draftwise's own and answered with nothing.
 Outputs are not compared (llama-bench generates no text; llama.cpp's kernels round differently).
+
+On CPUs with AMX the weights are not repacked (`--repack 0`, `--no-repack`): the pinned version's
+AMX path dies with SIGILL in prompt processing (a worker thread's `tilezero` before any tile
+configuration: measured on an Intel Xeon with AMX, 2026-11-27); its one-token decoding measured the
+same either way (11.4 and 11.6 tokens/s there).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import statistics
 import subprocess
 from dataclasses import dataclass
@@ -48,6 +54,7 @@ class LlamaCppConfig:
     max_tokens: int
     threads: int
     reference: str | None = None  # outputs are not compared
+    repack: bool = True  # llama.cpp's weight repacking (its AMX path on CPUs with AMX)
 
     def warm_up(self, prompt: str) -> None:
         self.run(("warm-up", prompt))  # the file cache holds the weights from here on
@@ -75,7 +82,7 @@ class LlamaCppConfig:
     def _bench(self, arguments: list[str]) -> list[float]:
         """llama-bench's per-repetition seconds of its one test."""
         output = self._call([str(self.binaries["llama-bench"]), "-m", str(self.target), "-t", str(self.threads),
-                             "-o", "json", *arguments])
+                             "-o", "json", *([] if self.repack else ["--repack", "0"]), *arguments])
         try:
             tests = json.loads(output)
             return [ns / 1e9 for ns in tests[-1]["samples_ns"]]
@@ -86,11 +93,15 @@ class LlamaCppConfig:
         output = self._call([str(self.binaries["llama-speculative-simple"]), "-m", str(self.target),
                              "-md", str(self.draft), "--spec-type", "draft-simple", "-p", prompt,
                              "-n", str(self.max_tokens), "--temp", "0", "--ignore-eos", "-t", str(self.threads),
-                             "-td", str(self.threads), "-c", "4096"], stderr=True)
+                             "-td", str(self.threads), "-c", "4096", *([] if self.repack else ["--no-repack"])],
+                            stderr=True)
         return parse_speculative_simple(output)
 
     def _call(self, command: list[str], stderr: bool = False) -> str:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_SECONDS, errors="replace")
+        if done.returncode < 0:
+            raise LlamaCppFailed(f"{Path(command[0]).name} was killed by {signal.Signals(-done.returncode).name}: "
+                                 f"{done.stderr[-800:]}")
         if done.returncode != 0:
             raise LlamaCppFailed(f"{Path(command[0]).name} exited with {done.returncode}: {done.stderr[-800:]}")
         return done.stdout + (done.stderr if stderr else "")
@@ -120,14 +131,17 @@ class LlamaCppRecipe:
     def build(self) -> list[LlamaCppConfig]:
         from draftwise.benchmark.llama_cpp_build import llama_cpp_binaries
         from draftwise.benchmark.peers import gguf_path
+        from draftwise.native import cpu_flags
         from draftwise.loading.resolve import resolve_model
         from draftwise.text.tokenizer import Tokenizer
 
         binaries = llama_cpp_binaries()
         target = gguf_path(self.target)
         tokenizer = Tokenizer(resolve_model(self.target, progress=False))
-        configs = [LlamaCppConfig(PLAIN, binaries, target, None, tokenizer, self.max_tokens, self.threads)]
+        repack = "amx_tile" not in cpu_flags()
+        configs = [LlamaCppConfig(PLAIN, binaries, target, None, tokenizer, self.max_tokens, self.threads,
+                                  repack=repack)]
         if self.draft is not None:
             configs.append(LlamaCppConfig(DRAFT, binaries, target, gguf_path(self.draft), tokenizer,
-                                          self.max_tokens, self.threads))
+                                          self.max_tokens, self.threads, repack=repack))
         return configs
