@@ -72,3 +72,12 @@ def test_a_family_is_in_the_cache_once_its_extension_is(tmp_path, monkeypatch):
     folder.mkdir(parents=True)
     (folder / f"draftwise_layer_ops_{which.isa}_{which.digest()}.so").touch()
     assert not native.needs_compiling("layer_ops", builds)
+
+
+def test_a_family_that_fails_to_compile_is_named(tmp_path, monkeypatch, capsys):
+    fake_family(tmp_path, monkeypatch, "fake_family_d", 0)
+    monkeypatch.setattr(kernel_builds, "FAMILIES", {"d": ("fake_family_d", "build", ())})
+    monkeypatch.setattr(native, "needs_compiling", lambda family, builds: True)
+    monkeypatch.setattr(kernel_builds, "compile_command", lambda module_name, getter: "raise SystemExit(1)")
+    kernel_builds.start_kernel_builds("cpu").wait()
+    assert "(d failed: tried again at first use)" in capsys.readouterr().err

@@ -133,3 +133,5 @@ def test_on_amx_cpus_llama_cpp_runs_without_repacking_and_a_signal_is_named(monk
     results[:] = [subprocess.CompletedProcess([], -4, "", "")]
     with pytest.raises(LlamaCppFailed, match="llama-bench was killed by SIGILL"):
         config.forward_pass_seconds((4,), 16, 1)
+    from draftwise.errors import DraftwiseError
+    assert issubclass(LlamaCppFailed, DraftwiseError)  # passed through the benchmark worker; one line from the CLI

@@ -34,14 +34,15 @@ from pathlib import Path
 
 from draftwise.benchmark.probes import ForwardCost
 from draftwise.benchmark.runner import RequestResult
+from draftwise.errors import DraftwiseError
 
 PLAIN = "llama.cpp plain"
 DRAFT = "llama.cpp draft"
 TIMEOUT_SECONDS = 900
 
 
-class LlamaCppFailed(RuntimeError):
-    pass
+class LlamaCppFailed(DraftwiseError):
+    """One of llama.cpp's tools failed; the message says which and how (the CLI prints it, no traceback)."""
 
 
 @dataclass(slots=True)

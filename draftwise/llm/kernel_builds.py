@@ -38,10 +38,11 @@ class KernelBuilds:
 
     def wait(self) -> None:
         """Until every compilation has ended (each one's failure is left to its first use)."""
-        for process in self.processes:
-            process.wait()
+        failed = [family for family, process in zip(self.families, self.processes) if process.wait() != 0]
         if self.processes and self.progress:
-            print(f"native kernels compiled in {time.monotonic() - self.started:.0f} s", file=sys.stderr, flush=True)
+            print(f"native kernels compiled in {time.monotonic() - self.started:.0f} s"
+                  + (f" ({', '.join(failed)} failed: tried again at first use)" if failed else ""),
+                  file=sys.stderr, flush=True)
         self.processes = []
 
 
