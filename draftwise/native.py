@@ -106,23 +106,27 @@ def build_folder(family: str, which: Build) -> Path:
     return cache_root() / "kernels" / f"{family}-{which.isa}-{which.digest()}-torch{version}"
 
 
+def extension_name(family: str, which: Build) -> str:
+    """The compiled module's name (its file in `build_folder` is this name + ".so")."""
+    return f"draftwise_{family}_{which.isa}_{which.digest()}"
+
+
 def needs_compiling(family: str, builds: tuple[Build, ...]) -> bool:
     """Whether the build this machine takes is yet to be compiled here (False where none can be had)."""
     if unavailable_reason(builds) is not None:
         return False
     which = chosen(builds)
-    return not (build_folder(family, which) / f"draftwise_{family}_{which.isa}_{which.digest()}.so").exists()
+    return not (build_folder(family, which) / f"{extension_name(family, which)}.so").exists()
 
 
 def compile_build(family: str, which: Build):
     """One build compiled (or loaded from the cache), whatever this machine would choose; None if it fails."""
     from torch.utils import cpp_extension
 
-    digest = which.digest()
     folder = build_folder(family, which)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=f"draftwise_{family}_{which.isa}_{digest}",
+        return cpp_extension.load(name=extension_name(family, which),
                                   sources=[str(source) for source in which.sources], extra_cflags=list(which.flags),
                                   extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as error:  # a failed build must not stop the engine: PyTorch's ops remain

@@ -132,8 +132,8 @@ class LlamaCppRecipe:
     def build(self) -> list[LlamaCppConfig]:
         from draftwise.benchmark.llama_cpp_build import llama_cpp_binaries
         from draftwise.benchmark.peers import gguf_path
-        from draftwise.native import cpu_flags
         from draftwise.loading.resolve import resolve_model
+        from draftwise.native import cpu_flags
         from draftwise.text.tokenizer import Tokenizer
 
         binaries = llama_cpp_binaries()
