@@ -1,5 +1,6 @@
-"""Self-distillation: the cache of the target's answers, the layers a head's training reads, and a run
-interrupted part way that resumes after its last written chunk."""
+"""Self-distillation: answers made a batch at a time equal to one at a time, the cache of the target's
+answers, the layers a head's training reads, and a run interrupted part way that resumes after its
+last written chunk."""
 
 import pytest
 import torch
@@ -10,21 +11,22 @@ from draftwise.training import distill
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen):
-    return LLM(str(tiny_qwen), max_model_len=128, max_num_seqs=1, progress=False)
+    return LLM(str(tiny_qwen), max_model_len=128, max_num_seqs=4, progress=False)
 
 
 PROMPTS = [f"def f{i}(x):" for i in range(7)]
 
 
 def answering(llm, monkeypatch, stop_after: int | None = None) -> list[str]:
-    """The prompts the target answers from now on (in order); stop_after: interrupted after that many."""
+    """The prompts the target answers from now on (in order); stop_after: interrupted at the batch
+    that would answer more than that many."""
     answered, generate = [], type(llm).generate
 
-    def counted(prompt, params):
-        if stop_after is not None and len(answered) == stop_after:
+    def counted(prompts, params):
+        if stop_after is not None and len(answered) + len(prompts) > stop_after:
             raise KeyboardInterrupt
-        answered.append(prompt)
-        return generate(llm, prompt, params)
+        answered.extend(prompts)
+        return generate(llm, prompts, params)
 
     monkeypatch.setattr(llm, "generate", counted)
     return answered
@@ -32,6 +34,21 @@ def answering(llm, monkeypatch, stop_after: int | None = None) -> list[str]:
 
 def chunk_files() -> list:
     return sorted(distill.distilled_folder().glob("*.chunk-*.safetensors"))
+
+
+def test_answers_made_a_batch_at_a_time_equal_one_at_a_time(llm, tiny_qwen, monkeypatch):
+    monkeypatch.setattr(distill, "CHUNK", 4)
+    batches = []
+    generate = type(llm).generate
+    monkeypatch.setattr(llm, "generate", lambda prompts, params: batches.append(len(prompts)) or generate(llm, prompts, params))
+    batched = distill.distill(llm, PROMPTS, 12, progress=False, aux_layers=(1,))
+    assert batches == [4, 3]
+    alone = LLM(str(tiny_qwen), max_model_len=128, max_num_seqs=1, progress=False)
+    for prompt, example in zip(PROMPTS, batched):
+        answer = alone.generate(prompt, distill.SamplingParams(temperature=0.0, max_tokens=12))[0]
+        assert example.token_ids.tolist() == list(answer.prompt_token_ids) + list(answer.token_ids)
+        hidden, aux = distill.hidden_states(alone, example.token_ids.tolist(), (1,))
+        assert torch.equal(example.hidden, hidden) and torch.equal(example.aux, aux)
 
 
 def test_an_interrupted_run_resumes_after_its_last_chunk(llm, monkeypatch):

@@ -4,11 +4,13 @@ What a head learns should be what verification accepts, and verification accepts
 greedy tokens: so the training text is the target's answers (not a dataset's), and the features are
 the target's hidden states over prompt + answer (after its final norm, as its LM head reads them).
 
-Answering is the slow part of training (seconds a prompt on a CPU), so the examples are cached,
-keyed by the target, how it was loaded, the prompts and the answer length: a second head (another
-kind, width or schedule) trained on the same traffic starts at once. While the target answers, every
-CHUNK answers are written beside the cache file, so an interrupted run (an hour of answers on a CPU)
-resumes where it stopped.
+Answering is the slow part of training (seconds a prompt on a CPU), so the target answers CHUNK
+prompts at a time as one batch (greedy answers do not depend on the batch: the same tokens as one at
+a time; measured on the 1.5B on a 2-core CPU, 16 prompts of 128 tokens: 51.5 tokens/s against 14.5),
+and the examples are cached, keyed by the target, how it was loaded, the prompts and the answer
+length: a second head (another kind, width or schedule) trained on the same traffic starts at once.
+Each chunk's answers are written beside the cache file as they come, so an interrupted run (an hour
+of answers on a CPU) resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.heads.training import Example
 
 FORMAT = 1  # bump when what an example holds changes
-CHUNK = 16  # answers written together while distilling: an interrupted run resumes after the last chunk
+CHUNK = 16  # prompts answered as one batch and written together: an interrupted run resumes after the last chunk
 
 
 def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux_layers: tuple[int, ...] = (),
@@ -39,18 +41,19 @@ def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux
     prompts answered earlier (skipped, counted in the progress bar); on_chunk: given every CHUNK
     new examples as they are made (and the last few)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    examples, chunk = [], []
-    for prompt in tqdm(prompts[done:], desc="target answers", disable=not progress, unit="prompt",
-                       initial=done, total=len(prompts)):
-        output = llm.generate(prompt, params)[0]
-        ids = list(output.prompt_token_ids) + list(output.token_ids)
-        hidden, aux = hidden_states(llm, ids, aux_layers)
-        chunk.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
-        if len(chunk) == CHUNK or len(examples) + len(chunk) == len(prompts) - done:
-            if on_chunk is not None:
-                on_chunk(chunk)
-            examples += chunk
-            chunk = []
+    examples = []
+    bar = tqdm(desc="target answers", disable=not progress, unit="prompt", initial=done, total=len(prompts))
+    for first in range(done, len(prompts), CHUNK):
+        chunk = []
+        for output in llm.generate(prompts[first:first + CHUNK], params):  # one batch (the LLM's max_num_seqs)
+            ids = list(output.prompt_token_ids) + list(output.token_ids)
+            hidden, aux = hidden_states(llm, ids, aux_layers)
+            chunk.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
+        if on_chunk is not None:
+            on_chunk(chunk)
+        examples += chunk
+        bar.update(len(chunk))
+    bar.close()
     return examples
 
 

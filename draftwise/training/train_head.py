@@ -15,7 +15,7 @@ from draftwise.speculative.heads.store import default_folder
 from draftwise.speculative.heads.training import TrainResult, TrainSettings
 from draftwise.speculative.registry import all_specs
 from draftwise.traffic import read_traffic
-from draftwise.training.distill import distill_cached
+from draftwise.training.distill import CHUNK, distill_cached
 
 
 def train_head(target: str, kind: str, data: str, out: Path | None = None, *, settings: TrainSettings | None = None,
@@ -30,7 +30,7 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
     if settings.head_width is not None and settings.head_width < 1:
         raise InvalidParameterError(f"head_width must be positive, got {settings.head_width}")
     folder = Path(out) if out is not None else default_folder(kind, target)
-    llm = LLM(target, max_num_seqs=1, progress=progress, **model_keywords)
+    llm = LLM(target, max_num_seqs=CHUNK, progress=progress, **model_keywords)  # a chunk of prompts answered as a batch
     items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)
     if not items:
         raise InvalidParameterError(f"{data}: no prompts to train on")
