@@ -183,7 +183,10 @@ def test_trees_for_greedy_and_seeded_rows_only(trained_head, tiny_qwen):
     assert all(p < i for i, p in enumerate(greedy.parents))
     assert all(a >= b for a, b in zip(greedy.scores, greedy.scores[1:]))  # best first
     assert all(greedy.scores[i] <= greedy.scores[p] for i, p in enumerate(greedy.parents) if p >= 0)
-    assert greedy.first_children().token_ids == sampled.token_ids  # the best path is the head's chain
+    # each node's first child is its most probable: the path of first children is the head's chain, as
+    # deep as the expansion went along it (a node outside its level's best three has no children)
+    path = greedy.first_children().token_ids
+    assert len(path) >= 1 and path == sampled.token_ids[:len(path)]
 
 
 def test_the_command_trains_an_eagle_head(tiny_qwen, tmp_path):

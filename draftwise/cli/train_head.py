@@ -26,6 +26,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--kept-tokens", type=int, default=32768, help="vocabulary the heads score")
     parser.add_argument("--heldout-share", type=float, default=0.1, help="prompts kept out to report acceptance")
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="EAGLE: the head's passes under bfloat16 autocast or in float32 (auto: bf16 where "
+                             "the device multiplies it natively: AVX512-BF16, AMX, recent GPUs)")
     parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS))
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if present)")
     parser.set_defaults(run=run)
@@ -37,7 +40,8 @@ def run(args: argparse.Namespace) -> None:
 
     settings = TrainSettings(num_heads=args.num_heads, epochs=args.epochs, learning_rate=args.lr,
                              batch_size=args.batch_size, kept_tokens=args.kept_tokens,
-                             heldout_share=args.heldout_share, head_width=args.head_width)
+                             heldout_share=args.heldout_share, head_width=args.head_width,
+                             bf16={"auto": None, "bf16": True, "fp32": False}[args.precision])
     folder, result = train_head(args.target, args.kind, args.data, args.out, settings=settings, sample=args.sample,
                                 max_tokens=args.max_tokens, quantization=args.quantization, device=args.device)
     last = result.reports[-1]

@@ -36,6 +36,10 @@ class TrainSettings:
     seed: int = 0
     kept_tokens: int = 32768  # the vocabulary the head scores: the answers' tokens, then the most frequent
     head_width: int | None = None  # EAGLE: its layer's MLP width (None: 4/3 of the hidden size, at most the target's)
+    # EAGLE: the head's passes under bfloat16 autocast (weights and optimizer stay float32); None: where
+    # the device multiplies bfloat16 natively (measured on an Intel Xeon with AMX, EAGLE-3 on the 1.5B:
+    # an epoch 1.4x faster, with the fused optimizer 2.0x; the same loss to three digits)
+    bf16: bool | None = None
 
 
 @dataclass(slots=True)
@@ -122,6 +126,14 @@ def optimizer_groups(train: list[Example], positions: int) -> list[list[int]]:
     return groups
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 in hardware (a CPU with AVX512-BF16 or AMX, a GPU that
+    supports it): where autocast to it pays."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
+
+
 def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], settings: TrainSettings,
                  example_loss: Callable[[Example], torch.Tensor], heldout_acceptance: Callable[[], list[float]],
                  checkpoint: Path | None = None, progress: bool = True) -> TrainResult:
@@ -129,8 +141,12 @@ def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], 
     schedule over every step, an optimizer step per group of about settings.batch_size answer positions
     (gradients accumulated over the group's examples, each weighted by its positions), a checkpoint
     after every epoch that resumes, and after every epoch the held-out acceptance per position."""
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.learning_rate,
-                                  weight_decay=settings.weight_decay)
+    trained = [p for p in head.parameters() if p.requires_grad]
+    device = trained[0].device
+    # fused: one pass over each tensor per step (the unfused update's temporaries are the size of the
+    # head's LM head: with the page faults of allocating them, ~30% of an EAGLE-3 epoch on the 1.5B)
+    optimizer = torch.optim.AdamW(trained, lr=settings.learning_rate, weight_decay=settings.weight_decay, fused=True)
+    bf16 = native_bf16(device) if settings.bf16 is None else settings.bf16
     groups = optimizer_groups(train, settings.batch_size)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, len(groups) * settings.epochs))
     result = TrainResult(asdict(settings), train_positions=sum(answer_positions(e) for e in train),
@@ -149,7 +165,8 @@ def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], 
             loss_sum = 0.0
             for i in group:
                 share = answer_positions(train[i]) / weight
-                loss = example_loss(train[i])
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss = example_loss(train[i])
                 (loss * share).backward()
                 loss_sum += float(loss.detach()) * share
             optimizer.step()

@@ -1,0 +1,53 @@
+"""The one-layer heads' training loop: bfloat16 autocast where asked (or where the device multiplies
+bfloat16 natively), the fused optimizer, and a loss that goes down either way."""
+
+import pytest
+import torch
+from torch import nn
+
+from draftwise.speculative.heads import training
+from draftwise.speculative.heads.training import Example, TrainSettings, train_epochs
+
+
+def examples(count: int = 6) -> list[Example]:
+    generator = torch.Generator().manual_seed(0)
+    return [Example(torch.arange(12), 4, torch.randn(12, 8, generator=generator)) for _ in range(count)]
+
+
+def run(bf16: bool | None) -> tuple[list[bool], list[float]]:
+    """Whether each loss was computed under bfloat16 autocast, and the epochs' losses."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 8)
+    autocast = []
+
+    def loss(example: Example) -> torch.Tensor:
+        autocast.append(torch.is_autocast_enabled("cpu"))
+        predicted = head(example.hidden[:-1])  # [S-1, 8]: the next position's state
+        return (predicted.float() - example.hidden[1:]).pow(2).mean()
+
+    result = train_epochs(head, examples(), examples(2), TrainSettings(epochs=3, batch_size=16, bf16=bf16,
+                                                                        learning_rate=1e-2),
+                          loss, lambda: [0.0], progress=False)
+    return autocast, [report.train_loss for report in result.reports]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_autocast_as_asked_and_the_loss_goes_down(bf16):
+    autocast, losses = run(bf16)
+    assert autocast and all(a == bf16 for a in autocast)
+    assert losses[-1] < losses[0]
+
+
+def test_by_default_autocast_where_the_device_multiplies_bfloat16(monkeypatch):
+    for native in (True, False):
+        monkeypatch.setattr(training, "native_bf16", lambda device, native=native: native)
+        autocast, _ = run(None)
+        assert all(a == native for a in autocast)
+
+
+def test_the_optimizer_is_fused(monkeypatch):
+    made = []
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *args, **kwargs: made.append(kwargs) or adamw(*args, **kwargs))
+    run(False)
+    assert made and made[0].get("fused") is True
