@@ -47,8 +47,30 @@ def test_answers_made_a_batch_at_a_time_equal_one_at_a_time(llm, tiny_qwen, monk
     for prompt, example in zip(PROMPTS, batched):
         answer = alone.generate(prompt, distill.SamplingParams(temperature=0.0, max_tokens=12))[0]
         assert example.token_ids.tolist() == list(answer.prompt_token_ids) + list(answer.token_ids)
-        hidden, aux = distill.hidden_states(alone, example.token_ids.tolist(), (1,))
-        assert torch.equal(example.hidden, hidden) and torch.equal(example.aux, aux)
+    again = distill.distill(alone, PROMPTS, 12, progress=False, aux_layers=(1,))  # one at a time (CHUNK 4, one row)
+    for got, expected in zip(batched, again):
+        assert torch.equal(got.hidden, expected.hidden) and torch.equal(got.aux, expected.aux)
+
+
+def test_the_states_recorded_while_answering_are_those_of_a_pass_over_the_text(llm, monkeypatch):
+    """Where every answer runs to max_tokens, the states recorded while answering are used (no second
+    pass), and they agree with a teacher-forced pass over prompt + answer (another kernel path: not
+    bit for bit); an answer that ended sooner is read by that pass."""
+    teacher_forced, params = distill.hidden_states, distill.SamplingParams
+    passes = []
+    monkeypatch.setattr(distill, "hidden_states", lambda *args: passes.append(args) or teacher_forced(*args))
+    monkeypatch.setattr(distill, "SamplingParams", lambda **kw: params(ignore_eos=True, **kw))
+    examples = distill.distill(llm, PROMPTS[:3], 12, progress=False, aux_layers=(0, 1))
+    assert not passes
+    for example in examples:
+        assert len(example.token_ids) == example.answer_start + 12
+        hidden, aux = teacher_forced(llm, example.token_ids.tolist(), (0, 1))
+        assert example.hidden.shape == hidden.shape and example.aux.shape == aux.shape
+        assert torch.allclose(example.hidden, hidden, rtol=0.02, atol=0.02 * float(hidden.abs().max()))
+        assert torch.allclose(example.aux.float(), aux.float(), rtol=0.02, atol=0.02 * float(aux.abs().max()))
+    monkeypatch.setattr(distill, "SamplingParams", lambda **kw: params(ignore_eos=True, **{**kw, "max_tokens": 5}))  # 5 of 12
+    short = distill.distill(llm, PROMPTS[:2], 12, progress=False, aux_layers=(0, 1))
+    assert len(passes) == 2 and all(len(e.token_ids) == e.answer_start + 5 for e in short)
 
 
 def test_an_interrupted_run_resumes_after_its_last_chunk(llm, monkeypatch):

@@ -20,7 +20,7 @@ import time
 import torch
 
 from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, with_forced, within_grammar
-from draftwise.engine.hidden_states import hand_hidden, hidden_layers, kept_positions, reads_hidden
+from draftwise.engine.hidden_states import HiddenRecorder, hand_hidden, hidden_layers, kept_positions, reads_hidden
 from draftwise.engine.logprobs import token_logprobs
 from draftwise.engine.processed import apply_processors, chain_rows
 from draftwise.engine.scheduler import Scheduler
@@ -58,6 +58,7 @@ class Engine:
         self._draft_calls: dict[str, DraftCall] = {}
         self._target_pass: tuple[int, float] = (0, 0.0)  # tokens, seconds of the step's target pass
         self._grammar_seconds = 0.0  # the step's structured-outputs work on this thread (masks waited for)
+        self.recorder: HiddenRecorder | None = None  # keeps every request's hidden states (self-distillation)
 
     def add_drafter(self, method: str, drafter: Drafter) -> None:
         self.drafters[method] = drafter
@@ -105,7 +106,8 @@ class Engine:
         self._grammar_seconds = 0.0
         if is_prefill:
             batch[0].row = self.runner.allocate()
-            if not reads_hidden(self.drafters, batch[0]):  # (a head reading the target's states needs the whole prompt's)
+            # (a head reading the target's states, or a recorder, needs the whole prompt's)
+            if not reads_hidden(self.drafters, batch[0]) and self.recorder is None:
                 self.runner.share_prefix(batch[0].row, batch[0].token_ids)
             drafts, skipped, forced = [Draft([])], [False], set()
         else:
@@ -228,6 +230,8 @@ class Engine:
         parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
                    for b in range(len(batch))] if trees else None
         capture = hidden_layers(self.drafters, batch)
+        if self.recorder is not None:
+            capture = tuple(sorted(set(capture) | set(self.recorder.layers)))
         masks = self._on_grammar(PendingMasks, batch, drafts, self.runner.model.config.vocab_size)  # beside the pass
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
                                      parents=parents, capture_layers=capture)
@@ -252,6 +256,8 @@ class Engine:
         if capture:  # the hidden states at every fed token that stays committed
             kept = kept_positions(result.cu_num_tokens, list(map(len, pending)), num_accepted, paths)
             hand_hidden(self.drafters, batch, result.hidden, kept)
+            if self.recorder is not None:
+                self.recorder.record(batch, lengths, result.hidden, kept)
         for b, (seq, tokens, accepted, drafted, skip, draft) in enumerate(zip(batch, output_ids, num_accepted,
                                                                               num_draft, skipped, drafts)):
             committed = seq.append(tokens[:accepted + 1])

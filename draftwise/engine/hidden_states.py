@@ -38,3 +38,40 @@ def hand_hidden(drafters: dict[str, Drafter], batch: list[Sequence], hidden: dic
         if getattr(proposer, "hidden_layers", ()):
             proposer.on_hidden([batch[b] for b in rows],
                                {layer: [hidden[layer][kept[b]] for b in rows] for layer in proposer.hidden_layers})
+
+
+class HiddenRecorder:
+    """Keeps, for every request, the target's hidden states at each committed position, read from the
+    passes decoding runs anyway (self-distillation trains heads on them: no second pass over the text).
+
+    A request's position p holds the state computed when token p was fed, so the newest token, never
+    fed, has none: a text of S tokens has states at positions 0..S-2. A request recomputed after being
+    preempted overwrites the positions it feeds again."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.layers = tuple(sorted(set(layers)))
+        self._states: dict[str, dict[int, list[torch.Tensor]]] = {}  # request -> layer -> pieces [n, H]
+        self._lengths: dict[str, int] = {}  # request -> positions held
+
+    def record(self, batch: list[Sequence], starts: list[int], hidden: dict[int, torch.Tensor],
+               kept: list[torch.Tensor]) -> None:
+        """starts: each row's first fed position; hidden: layer -> [T, H] over the pass's fed tokens;
+        kept: per row, the indices into them of the tokens that stay committed (in position order)."""
+        for b, seq in enumerate(batch):
+            pieces = self._states.setdefault(seq.request_id, {layer: [] for layer in self.layers})
+            held = self._lengths.get(seq.request_id, 0)
+            if starts[b] < held:  # fed again (a recomputed request): keep what comes before
+                for layer in self.layers:
+                    pieces[layer] = [torch.cat(pieces[layer])[:starts[b]]]
+            elif starts[b] > held:
+                raise RuntimeError(f"request {seq.request_id}: positions {held}..{starts[b] - 1} were never fed "
+                                   "to a recorded pass (a shared prefix?)")
+            for layer in self.layers:
+                pieces[layer].append(hidden[layer][kept[b]].detach().clone())  # [n, H]
+            self._lengths[seq.request_id] = starts[b] + len(kept[b])
+
+    def take(self, request_id: str) -> dict[int, torch.Tensor]:
+        """layer -> [positions, H] the request's states (forgotten here)."""
+        self._lengths.pop(request_id, None)
+        pieces = self._states.pop(request_id, {})
+        return {layer: torch.cat(chunks) for layer, chunks in pieces.items() if chunks}

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from draftwise.engine.engine import Engine
+from draftwise.engine.hidden_states import HiddenRecorder
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
@@ -165,6 +166,18 @@ class LLM:
             yield
         finally:
             self.timing_listeners.remove(listener)
+
+    @contextmanager
+    def recording_hidden(self, layers: tuple[int, ...]) -> Iterator[HiddenRecorder]:
+        """Within the block, the target's residual streams after `layers` (0-based) are kept for every
+        position of every request, from the passes decoding runs anyway (`recorder.take(request_id)`);
+        prompts are fed whole (no prefix is shared), so every position has its state."""
+        recorder = HiddenRecorder(layers)
+        self.engine.recorder = recorder
+        try:
+            yield recorder
+        finally:
+            self.engine.recorder = None
 
     def prepare_drafter(self, method: str) -> None:
         """Build the drafter that requests naming `method` use (with its defaults), if not built yet;

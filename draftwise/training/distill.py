@@ -7,7 +7,9 @@ the target's hidden states over prompt + answer (after its final norm, as its LM
 Answering is the slow part of training (seconds a prompt on a CPU), so the target answers CHUNK
 prompts at a time as one batch (greedy answers do not depend on the batch: the same tokens as one at
 a time; measured on the 1.5B on a 2-core CPU, 16 prompts of 128 tokens: 51.5 tokens/s against 14.5),
-and the examples are cached, keyed by the target, how it was loaded, the prompts and the answer
+and the states are those its passes computed while it answered (`LLM.recording_hidden`), where the
+answer ran to max_tokens; an answer that ended sooner is read again in one teacher-forced pass
+(`hidden_states`), as its last token was never fed. The examples are cached, keyed by the target, how it was loaded, the prompts and the answer
 length: a second head (another kind, width or schedule) trained on the same traffic starts at once.
 Each chunk's answers are written beside the cache file as they come, so an interrupted run (an hour
 of answers on a CPU) resumes where it stopped.
@@ -30,7 +32,7 @@ from draftwise.paths import cache_root
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.heads.training import Example
 
-FORMAT = 1  # bump when what an example holds changes
+FORMAT = 2  # bump when what an example holds changes (2: states recorded while the target answers)
 CHUNK = 16  # prompts answered as one batch and written together: an interrupted run resumes after the last chunk
 
 
@@ -40,14 +42,23 @@ def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux
     residual streams after `aux_layers`, side by side, where a head's training reads them). done:
     prompts answered earlier (skipped, counted in the progress bar); on_chunk: given every CHUNK
     new examples as they are made (and the last few)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    # one token more than kept: its pass feeds the answer's last kept token, whose state is then
+    # recorded too (the greedy answer's first max_tokens tokens are the same either way)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens + 1)
+    last = llm.model.config.num_hidden_layers - 1
     examples = []
     bar = tqdm(desc="target answers", disable=not progress, unit="prompt", initial=done, total=len(prompts))
     for first in range(done, len(prompts), CHUNK):
         chunk = []
-        for output in llm.generate(prompts[first:first + CHUNK], params):  # one batch (the LLM's max_num_seqs)
-            ids = list(output.prompt_token_ids) + list(output.token_ids)
-            hidden, aux = hidden_states(llm, ids, aux_layers)
+        with llm.recording_hidden((last, *aux_layers)) as recorder:
+            outputs = llm.generate(prompts[first:first + CHUNK], params)  # one batch (the LLM's max_num_seqs)
+        for output in outputs:
+            ids = list(output.prompt_token_ids) + list(output.token_ids)[:max_tokens]
+            states = recorder.take(output.request_id)
+            if len(states[last]) >= len(ids):
+                hidden, aux = recorded_states(llm, states, len(ids), last, aux_layers)
+            else:  # an answer that ended within max_tokens: its last token was never fed
+                hidden, aux = hidden_states(llm, ids, aux_layers)
             chunk.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
         if on_chunk is not None:
             on_chunk(chunk)
@@ -55,6 +66,16 @@ def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux
         bar.update(len(chunk))
     bar.close()
     return examples
+
+
+@torch.inference_mode()
+def recorded_states(llm: LLM, states: dict[int, torch.Tensor], length: int, last: int,
+                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`hidden_states`' two results from the states recorded while the target answered: [S, H] the last
+    layer's after the final norm, [S, L*H] bfloat16 the streams after `aux_layers` (None without)."""
+    hidden = llm.model.norm(states[last][:length]).float().cpu()
+    aux = torch.cat([states[layer][:length] for layer in aux_layers], dim=-1).to(torch.bfloat16).cpu() if aux_layers else None
+    return hidden, aux
 
 
 def distilled_folder() -> Path:
