@@ -23,7 +23,11 @@ def test_positions_follow_the_kept_tokens_and_a_recompute_overwrites():
     assert recorder.take("a") == {}
 
 
-def test_a_position_never_fed_is_an_error():
+def test_a_gap_is_an_error_and_a_request_running_before_the_recorder_is_left_out():
     recorder = HiddenRecorder((2,))
+    recorder.record([SimpleNamespace(request_id="b")], [4], states([1]), [torch.tensor([0])])  # begun before
+    assert recorder.take("b") == {}
+    row = [SimpleNamespace(request_id="c")]
+    recorder.record(row, [0], states([1, 2]), [torch.tensor([0, 1])])
     with pytest.raises(RuntimeError, match="never fed"):
-        recorder.record([SimpleNamespace(request_id="b")], [4], states([1]), [torch.tensor([0])])
+        recorder.record(row, [3], states([3]), [torch.tensor([0])])

@@ -46,7 +46,8 @@ class HiddenRecorder:
 
     A request's position p holds the state computed when token p was fed, so the newest token, never
     fed, has none: a text of S tokens has states at positions 0..S-2. A request recomputed after being
-    preempted overwrites the positions it feeds again."""
+    preempted overwrites the positions it feeds again; one already running when the recorder came
+    (its first recorded pass does not start at position 0) is not recorded."""
 
     def __init__(self, layers: tuple[int, ...]) -> None:
         self.layers = tuple(sorted(set(layers)))
@@ -58,16 +59,20 @@ class HiddenRecorder:
         """starts: each row's first fed position; hidden: layer -> [T, H] over the pass's fed tokens;
         kept: per row, the indices into them of the tokens that stay committed (in position order)."""
         for b, seq in enumerate(batch):
-            pieces = self._states.setdefault(seq.request_id, {layer: [] for layer in self.layers})
+            if seq.request_id not in self._states:
+                if starts[b] > 0:
+                    continue  # (admitted before the recorder: its earlier positions are gone)
+                self._states[seq.request_id] = {layer: [] for layer in self.layers}
+            pieces = self._states[seq.request_id]
             held = self._lengths.get(seq.request_id, 0)
             if starts[b] < held:  # fed again (a recomputed request): keep what comes before
                 for layer in self.layers:
                     pieces[layer] = [torch.cat(pieces[layer])[:starts[b]]]
             elif starts[b] > held:
                 raise RuntimeError(f"request {seq.request_id}: positions {held}..{starts[b] - 1} were never fed "
-                                   "to a recorded pass (a shared prefix?)")
+                                   "to a recorded pass")
             for layer in self.layers:
-                pieces[layer].append(hidden[layer][kept[b]].detach().clone())  # [n, H]
+                pieces[layer].append(hidden[layer][kept[b]].detach())  # [n, H] (indexing copies)
             self._lengths[seq.request_id] = starts[b] + len(kept[b])
 
     def take(self, request_id: str) -> dict[int, torch.Tensor]:

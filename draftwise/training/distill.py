@@ -9,10 +9,10 @@ prompts at a time as one batch (greedy answers do not depend on the batch: the s
 a time; measured on the 1.5B on a 2-core CPU, 16 prompts of 128 tokens: 51.5 tokens/s against 14.5),
 and the states are those its passes computed while it answered (`LLM.recording_hidden`), where the
 answer ran to max_tokens; an answer that ended sooner is read again in one teacher-forced pass
-(`hidden_states`), as its last token was never fed. The examples are cached, keyed by the target, how it was loaded, the prompts and the answer
-length: a second head (another kind, width or schedule) trained on the same traffic starts at once.
-Each chunk's answers are written beside the cache file as they come, so an interrupted run (an hour
-of answers on a CPU) resumes where it stopped.
+(`hidden_states`), as its last token was never fed. The examples are cached, keyed by the target,
+how it was loaded, the prompts and the answer length: a second head (another kind, width or
+schedule) trained on the same traffic starts at once. Each chunk's answers are written beside the
+cache file as they come, so an interrupted run (an hour of answers on a CPU) resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux
         for output in outputs:
             ids = list(output.prompt_token_ids) + list(output.token_ids)[:max_tokens]
             states = recorder.take(output.request_id)
-            if len(states[last]) >= len(ids):
+            if len(states.get(last, ())) >= len(ids):
                 hidden, aux = recorded_states(llm, states, len(ids), last, aux_layers)
             else:  # an answer that ended within max_tokens: its last token was never fed
                 hidden, aux = hidden_states(llm, ids, aux_layers)
