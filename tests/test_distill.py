@@ -53,24 +53,29 @@ def test_answers_made_a_batch_at_a_time_equal_one_at_a_time(llm, tiny_qwen, monk
 
 
 def test_the_states_recorded_while_answering_are_those_of_a_pass_over_the_text(llm, monkeypatch):
-    """Where every answer runs to max_tokens, the states recorded while answering are used (no second
-    pass), and they agree with a teacher-forced pass over prompt + answer (another kernel path: not
-    bit for bit); an answer that ended sooner is read by that pass."""
-    teacher_forced, params = distill.hidden_states, distill.SamplingParams
+    """The states recorded while answering are used (no second pass), up to an answer's EOS too, and
+    agree with a teacher-forced pass over prompt + answer (another kernel path: not bit for bit); an
+    answer the context cut short is read by that pass."""
+    teacher_forced = distill.hidden_states
     passes = []
     monkeypatch.setattr(distill, "hidden_states", lambda *args: passes.append(args) or teacher_forced(*args))
-    monkeypatch.setattr(distill, "SamplingParams", lambda **kw: params(ignore_eos=True, **kw))
-    examples = distill.distill(llm, PROMPTS[:3], 12, progress=False, aux_layers=(0, 1))
+    free = llm.generate(PROMPTS[0], distill.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    answer = list(free.token_ids)
+    cut = next(i for i, token in enumerate(answer) if i >= 2 and token not in answer[:i])
+    with monkeypatch.context() as patched:
+        patched.setattr(llm.tokenizer, "eos_token_ids", frozenset({answer[cut]}))  # an EOS inside the first answer
+        examples = distill.distill(llm, PROMPTS[:3], 12, progress=False, aux_layers=(0, 1))
     assert not passes
+    assert examples[0].token_ids[examples[0].answer_start:].tolist() == answer[:cut + 1]
     for example in examples:
-        assert len(example.token_ids) == example.answer_start + 12
         hidden, aux = teacher_forced(llm, example.token_ids.tolist(), (0, 1))
         assert example.hidden.shape == hidden.shape and example.aux.shape == aux.shape
         assert torch.allclose(example.hidden, hidden, rtol=0.02, atol=0.02 * float(hidden.abs().max()))
         assert torch.allclose(example.aux.float(), aux.float(), rtol=0.02, atol=0.02 * float(aux.abs().max()))
-    monkeypatch.setattr(distill, "SamplingParams", lambda **kw: params(ignore_eos=True, **{**kw, "max_tokens": 5}))  # 5 of 12
-    short = distill.distill(llm, PROMPTS[:2], 12, progress=False, aux_layers=(0, 1))
-    assert len(passes) == 2 and all(len(e.token_ids) == e.answer_start + 5 for e in short)
+    long_prompt = next(text for n in range(40, 128) if len(llm.tokenizer.encode(text := " ".join(["x"] * n))) >= 120)
+    short = distill.distill(llm, [long_prompt], 12, progress=False, aux_layers=(0, 1))[0]
+    assert len(passes) == 1 and len(short.token_ids) == 128  # the context (128 tokens) cut the answer short
+    assert not set(short.token_ids[-6:].tolist()) & llm.tokenizer.eos_token_ids  # (no EOS ended it)
 
 
 def test_an_interrupted_run_resumes_after_its_last_chunk(llm, monkeypatch):

@@ -7,12 +7,12 @@ the target's hidden states over prompt + answer (after its final norm, as its LM
 Answering is the slow part of training (seconds a prompt on a CPU), so the target answers CHUNK
 prompts at a time as one batch (greedy answers do not depend on the batch: the same tokens as one at
 a time; measured on the 1.5B on a 2-core CPU, 16 prompts of 128 tokens: 51.5 tokens/s against 14.5),
-and the states are those its passes computed while it answered (`LLM.recording_hidden`), where the
-answer ran to max_tokens; an answer that ended sooner is read again in one teacher-forced pass
-(`hidden_states`), as its last token was never fed. The examples are cached, keyed by the target,
-how it was loaded, the prompts and the answer length: a second head (another kind, width or
-schedule) trained on the same traffic starts at once. Each chunk's answers are written beside the
-cache file as they come, so an interrupted run (an hour of answers on a CPU) resumes where it stopped.
+and the states are those its passes computed while it answered (`LLM.recording_hidden`; an answer
+the context cut short is read again in one teacher-forced pass, `hidden_states`, as its last token
+was never fed). The examples are cached, keyed by the target, how it was loaded, the prompts and
+the answer length: a second head (another kind, width or schedule) trained on the same traffic
+starts at once. Each chunk's answers are written beside the cache file as they come, so an
+interrupted run (an hour of answers on a CPU) resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux
     residual streams after `aux_layers`, side by side, where a head's training reads them). done:
     prompts answered earlier (skipped, counted in the progress bar); on_chunk: given every CHUNK
     new examples as they are made (and the last few)."""
-    # one token more than kept: its pass feeds the answer's last kept token, whose state is then
-    # recorded too (the greedy answer's first max_tokens tokens are the same either way)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens + 1)
+    # One token more than kept, and on past EOS: the pass that feeds the answer's last kept token
+    # (its EOS, or its max_tokens-th) records its state too. Greedy tokens up to EOS are the same as a
+    # request that stops there would get; a row running on costs a few ms a step in the batch, where
+    # a second pass over a 600-token prompt would cost seconds.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens + 1, ignore_eos=True)
+    stops = frozenset(llm.tokenizer.eos_token_ids)
     last = llm.model.config.num_hidden_layers - 1
     examples = []
     bar = tqdm(desc="target answers", disable=not progress, unit="prompt", initial=done, total=len(prompts))
@@ -53,11 +56,13 @@ def distill(llm: LLM, prompts: list, max_tokens: int, progress: bool = True, aux
         with llm.recording_hidden((last, *aux_layers)) as recorder:
             outputs = llm.generate(prompts[first:first + CHUNK], params)  # one batch (the LLM's max_num_seqs)
         for output in outputs:
-            ids = list(output.prompt_token_ids) + list(output.token_ids)[:max_tokens]
+            answer = list(output.token_ids)[:max_tokens]
+            end = next((i + 1 for i, token in enumerate(answer) if token in stops), len(answer))  # (EOS kept)
+            ids = list(output.prompt_token_ids) + answer[:end]
             states = recorder.take(output.request_id)
             if len(states.get(last, ())) >= len(ids):
                 hidden, aux = recorded_states(llm, states, len(ids), last, aux_layers)
-            else:  # an answer that ended within max_tokens: its last token was never fed
+            else:  # an answer the context cut short: its last token was never fed
                 hidden, aux = hidden_states(llm, ids, aux_layers)
             chunk.append(Example(torch.tensor(ids), len(output.prompt_token_ids), hidden, aux))
         if on_chunk is not None:
