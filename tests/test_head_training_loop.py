@@ -1,5 +1,5 @@
-"""The one-layer heads' training loop: bfloat16 autocast where asked (or where the device multiplies
-bfloat16 natively), the fused optimizer, and a loss that goes down either way."""
+"""The one-layer heads' training loop: bfloat16 autocast where asked (`auto`: where the device
+multiplies bfloat16 natively), the fused optimizer, and a loss that goes down either way."""
 
 import pytest
 import torch
@@ -38,11 +38,12 @@ def test_autocast_as_asked_and_the_loss_goes_down(bf16):
     assert losses[-1] < losses[0]
 
 
-def test_by_default_autocast_where_the_device_multiplies_bfloat16(monkeypatch):
+def test_auto_means_where_the_device_multiplies_bfloat16_and_the_default_is_float32(monkeypatch):
     for native in (True, False):
         monkeypatch.setattr(training, "native_bf16", lambda device, native=native: native)
         autocast, _ = run(None)
         assert all(a == native for a in autocast)
+    assert TrainSettings().bf16 is False
 
 
 def test_the_optimizer_is_fused(monkeypatch):
