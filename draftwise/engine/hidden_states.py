@@ -52,7 +52,6 @@ class HiddenRecorder:
     def __init__(self, layers: tuple[int, ...]) -> None:
         self.layers = tuple(sorted(set(layers)))
         self._states: dict[str, dict[int, list[torch.Tensor]]] = {}  # request -> layer -> pieces [n, H]
-        self._lengths: dict[str, int] = {}  # request -> positions held
 
     def record(self, batch: list[Sequence], starts: list[int], hidden: dict[int, torch.Tensor],
                kept: list[torch.Tensor]) -> None:
@@ -64,7 +63,7 @@ class HiddenRecorder:
                     continue  # (admitted before the recorder: its earlier positions are gone)
                 self._states[seq.request_id] = {layer: [] for layer in self.layers}
             pieces = self._states[seq.request_id]
-            held = self._lengths.get(seq.request_id, 0)
+            held = sum(len(piece) for piece in pieces[self.layers[0]])  # positions held
             if starts[b] < held:  # fed again (a recomputed request): keep what comes before
                 for layer in self.layers:
                     pieces[layer] = [torch.cat(pieces[layer])[:starts[b]]]
@@ -73,10 +72,8 @@ class HiddenRecorder:
                                    "to a recorded pass")
             for layer in self.layers:
                 pieces[layer].append(hidden[layer][kept[b]].detach())  # [n, H] (indexing copies)
-            self._lengths[seq.request_id] = starts[b] + len(kept[b])
 
     def take(self, request_id: str) -> dict[int, torch.Tensor]:
         """layer -> [positions, H] the request's states (forgotten here)."""
-        self._lengths.pop(request_id, None)
         pieces = self._states.pop(request_id, {})
         return {layer: torch.cat(chunks) for layer, chunks in pieces.items() if chunks}
