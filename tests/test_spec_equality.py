@@ -54,6 +54,10 @@ CONFIGS = {
                                                        draft_branches=2),
     "random draft tree": lambda target, draft, k: dict(method="draft", model=str(draft), num_speculative_tokens=k,
                                                        draft_branches=3),
+    "suffix_draft=target": lambda target, draft, k: dict(method="suffix_draft", model=str(target),
+                                                         num_speculative_tokens=k),
+    "suffix_draft random": lambda target, draft, k: dict(method="suffix_draft", model=str(draft),
+                                                         num_speculative_tokens=k),
 }
 # What each drafter's drafts come to on tiny_qwen. The random model does not continue its prompt,
 # so prompt lookup (which does propose on REPETITIVE) is never right here; test_ngram_partial_acceptance
@@ -62,7 +66,7 @@ CONFIGS = {
 # outputs in its cache, which are right: test_suffix.py checks that acceptance.
 EXPECT = {"draft=target": "accepted", "random draft": "proposed", "ngram": "proposed", "layer_skip": "accepted",
           "suffix": "proposed", "suffix tree": "proposed", "draft=target tree": "accepted",
-          "random draft tree": "proposed"}
+          "random draft tree": "proposed", "suffix_draft=target": "accepted", "suffix_draft random": "proposed"}
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

@@ -93,15 +93,10 @@ class SuffixProposer:
         self.cache = SuffixCache(cache_bytes) if cache_bytes > 0 else None
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
-        drafts = []
-        for seq, k in zip(seqs, num_tokens):
-            found = self._continuation(seq, k) if k > 0 else Continuation([], [], 0, 0)
-            branched = found.parents != token_tree.chain_parents(len(found.parents))
-            drafts.append(Draft(found.token_ids, parents=found.parents, scores=found.probabilities) if branched
-                          else Draft(found.token_ids))
-        return drafts
+        return [as_draft(self.continuation(seq, k)) if k > 0 else Draft([]) for seq, k in zip(seqs, num_tokens)]
 
-    def _continuation(self, seq: SequenceState, k: int) -> Continuation:
+    def continuation(self, seq: SequenceState, k: int) -> Continuation:
+        """At most k tokens continuing `seq`, from its own text or the cache, whichever promises more."""
         options = self.options
         context = seq.token_ids
         own = self._own_index(seq, context)
@@ -142,9 +137,21 @@ class SuffixProposer:
         return Footprint(weights_bytes=cached)
 
 
+def as_draft(found: Continuation) -> Draft:
+    """A continuation as a draft: a chain, or a tree scored by its path probabilities."""
+    if found.parents == token_tree.chain_parents(len(found.parents)):
+        return Draft(found.token_ids)
+    return Draft(found.token_ids, parents=found.parents, scores=found.probabilities)
+
+
+def expected_accepted(found: Continuation) -> float:
+    """The tokens a continuation is expected to have accepted: the sum of its path probabilities."""
+    return sum(found.probabilities)
+
+
 def _promise(found: Continuation) -> tuple[float, int]:
-    """Expected accepted tokens (sum of path probabilities), then the match length."""
-    return sum(found.probabilities), found.match_length
+    """Expected accepted tokens, then the match length."""
+    return expected_accepted(found), found.match_length
 
 
 @dataclass(slots=True)
