@@ -144,3 +144,36 @@ def test_a_tree_cut_to_the_spec_factor_keeps_one_score_per_node():
     draft = proposer.propose([seq], [6])[0]
     assert draft.parents is not None and len(draft.token_ids) == 2
     assert len(draft.scores) == len(draft.parents) == len(draft.token_ids)
+
+
+def test_forgetting_the_history_drafts_a_request_seen_before_as_a_new_one(tiny_qwen, drafting_pays):
+    """`LLM.forget_drafter_history` (benchmarks call it after a warm-up and before a closed loop of
+    prompts already run): the cache of earlier requests is gone, the drafter still works."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt = "Write a function that reverses a list:"
+    spec = {"method": "suffix", "num_speculative_tokens": 8}
+    remembering = LLM(str(tiny_qwen), max_model_len=256, progress=False, speculative=spec)
+    forgetting = LLM(str(tiny_qwen), max_model_len=256, progress=False, speculative=spec)
+    for llm in (remembering, forgetting):
+        llm.generate(prompt, params)
+    forgetting.forget_drafter_history()
+    seen, forgotten = (llm.generate(prompt, params)[0] for llm in (remembering, forgetting))
+    assert seen.token_ids == forgotten.token_ids
+    assert forgotten.metrics.spec.num_accepted_tokens < seen.metrics.spec.num_accepted_tokens
+    assert forgetting.generate(prompt, params)[0].metrics.spec.num_accepted_tokens == \
+        seen.metrics.spec.num_accepted_tokens  # (learnt again from the forgotten run's text)
+
+
+def test_a_closed_loop_and_a_warm_up_leave_no_history_behind(tiny_qwen, monkeypatch):
+    from types import SimpleNamespace
+
+    from draftwise.benchmark.configs import DraftwiseConfig
+    from draftwise.benchmark.probes import ClosedLoop
+
+    forgot = []
+    llm = LLM(str(tiny_qwen), max_model_len=256, progress=False, speculative={"method": "suffix"})
+    monkeypatch.setattr(llm, "forget_drafter_history", lambda: forgot.append("forgot"))
+    ClosedLoop(2, ("a", "b"), ("x", "x"), 2).measure(SimpleNamespace(llm=llm))
+    assert forgot == ["forgot"]
+    DraftwiseConfig.warm_up(SimpleNamespace(llm=llm), "a")
+    assert forgot == ["forgot"] * 2

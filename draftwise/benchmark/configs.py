@@ -141,6 +141,7 @@ class DraftwiseConfig:
 
     def warm_up(self, prompt: str) -> None:
         self.llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        self.llm.forget_drafter_history()  # (the measured requests are not drafted from the warm-up's text)
 
     def run(self, item):
         """item: a probe, (category, prompt), or (category, prompt, SamplingParams fields of its own)."""

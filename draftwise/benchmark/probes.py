@@ -13,7 +13,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class ClosedLoop:
     """`concurrency` requests in flight through continuous batching until every prompt has run
-    (`draftwise.llm.closed_loop`), greedy, each request labelled with its segment."""
+    (`draftwise.llm.closed_loop`), greedy, each request labelled with its segment; its drafters
+    first forget earlier requests' text (the same prompts, run one by one before, would otherwise be
+    drafted from suffix decoding's cache as requests seen before)."""
     concurrency: int
     prompts: tuple[str, ...]
     segments: tuple[str, ...]
@@ -25,6 +27,7 @@ class ClosedLoop:
         from draftwise.sampling.params import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=self.max_tokens, **extra) for extra in self.extras]
+        config.llm.forget_drafter_history()
         return run_closed_loop(config.llm, list(self.prompts), [self.max_tokens] * len(self.prompts),
                                self.concurrency, segments=list(self.segments), params=params or None)
 

@@ -333,6 +333,15 @@ class LLM:
         self.spec_metrics.merge(self._live.pop(request_id).metrics.spec)
         del self._reported[request_id]
 
+    def forget_drafter_history(self) -> None:
+        """Drafters drop what earlier requests left them (suffix decoding's cache of their text): the
+        next requests are drafted as on a fresh LLM, with models, kernels and cost models kept warm.
+        Benchmarks call it so that a warm-up or an earlier phase is not drafted from as seen before."""
+        for drafter in self.engine.drafters.values():
+            forget = getattr(drafter.proposer, "forget_history", None)
+            if forget is not None:
+                forget()
+
     def engine_stats(self) -> dict:
         """Queue lengths, KV blocks, and the mean k per drafter in the last step (for metrics)."""
         blocks = self.runner.blocks

@@ -64,6 +64,8 @@ class Proposer(Protocol):
     # no cache at all). The planner's simulator charges catch-ups with it.
     catch_up_window: int | None
     # (Optional) the longest draft it can propose (a head with K heads: K); k is capped there.
+    # (Optional) `forget_history()`: drop what earlier requests left it (a cache of their text), as
+    # a fresh drafter would be; `LLM.forget_drafter_history` calls it (benchmarks measuring new traffic).
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[b] tokens continuing seqs[b] (all of its committed tokens)."""

@@ -129,6 +129,11 @@ class SuffixProposer:
             tail = prompt[-self.options.suffix_max_depth:]  # a later request ending the same way matches into it
             self.cache.add(getattr(seq, "tenant", None), tail + list(seq.output_ids))
 
+    def forget_history(self) -> None:
+        """Earlier requests' text dropped (running requests keep their own indexes)."""
+        if self.cache is not None:
+            self.cache = SuffixCache(self.cache.max_tokens * BYTES_PER_TOKEN)
+
     def lag(self, seq: SequenceState) -> int:
         return 0
 

@@ -62,6 +62,9 @@ class SuffixThenModelProposer:
         self.suffix.release(seq)
         self.model.release(seq)
 
+    def forget_history(self) -> None:
+        self.suffix.forget_history()
+
     def lag(self, seq: SequenceState) -> int:
         return 0 if self._suffix_drafts(seq) else self.model.lag(seq)
 
