@@ -458,3 +458,29 @@ def test_the_confidence_rule_keeps_thin_evidence_from_drafting(monkeypatch):
     monkeypatch.setattr(module, "DRAFT_MARGIN", 0.02)
     assert thin.lower_bounds()[0] < thin.effective_rates()[0]
     assert confident_num_tokens(thin, dear, 4) == 0 and confident_num_tokens(thick, dear, 4) > 0
+
+
+def test_a_row_drafting_beside_plain_rows_pays_for_their_padding():
+    """A pass pads every row to the widest: one row verifying k drafts beside 7 plain rows costs
+    8 x (k + 1) tokens' work (measured: BENCHMARKS.md, "Ragged passes cost their padding"). Where
+    that does not pay, the row stays plain in the batch though it drafts alone."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from draftwise.speculative.control.policy import AdaptiveLength
+
+    target = {n: 0.070 * max(1.0, n / 4) for n in range(1, 129)}  # flat up to 4 tokens, then compute-bound
+    model = CostModel(target, {k: 0.002 * k for k in range(1, 9)})
+    ragged = [4] + [0] * 7
+    assert model.batch_step_seconds(ragged) == pytest.approx(model.batch_draft_seconds(ragged) + target[40])
+    assert model.batch_step_seconds([4] * 8) == pytest.approx(model.batch_draft_seconds([4] * 8) + target[40])
+    policy = AdaptiveLength(model, 8)
+    policy.overall.estimate = AcceptanceEstimate.prior(8, 0.7)
+
+    def row(name):
+        return SimpleNamespace(request_id=name, params=SimpleNamespace(seed=None, greedy=True),
+                               num_tokens_left=1000, output_ids=[0] * 50)
+
+    assert policy.num_tokens([row("alone")], [0])[0] >= 2
+    assert policy.num_tokens([row("beside")], [0], batch_size=8) == [0]

@@ -98,7 +98,7 @@ class AdaptiveLength:
     def num_tokens(self, seqs: list[SequenceState], lags: list[int], batch_size: int | None = None) -> list[int]:
         rows = batch_size or len(seqs)
         choices = [self._solo(seq, lag, rows) for seq, lag in zip(seqs, lags)]
-        return self._fit_to_batch(seqs, choices) if len(seqs) > 1 and any(choices) else choices
+        return self._fit_to_batch(seqs, choices, rows) if rows > 1 and any(choices) else choices
 
     def _solo(self, seq: SequenceState, lag: int, batch_rows: int) -> int:
         """The row's own choice; a catch-up must pay for every row of the batch that waits for it."""
@@ -116,19 +116,22 @@ class AdaptiveLength:
             expected = self.overall.expected_tokens_left(generated)
         return expected
 
-    def _fit_to_batch(self, seqs: list[SequenceState], choices: list[int]) -> list[int]:
+    def _fit_to_batch(self, seqs: list[SequenceState], choices: list[int], batch_rows: int) -> list[int]:
         """Each row's own choice assumed a step of its own; in a batch every drafted token adds
         to one shared verification pass, whose cost grows with the batch. Cap every row's k at a
         common c (c = 0: the whole batch takes a plain step), choosing c for the best batch
         goodput sum_b E_b(min(k_b, c)) / C(min(k_1, c), ..., min(k_B, c)). Rows whose solo choice
         was 0 stay plain, so drafting and plain rows mix in one step. (No row's output depends on
         its k: greedy and seeded rows emit what plain decoding emits, unseeded ones follow the
-        target's distribution whatever k is.)"""
+        target's distribution whatever k is.) The step's other rows (plain ones, other drafters')
+        count as plain rows: each commits one token and is padded to the drafting rows' width."""
         rates = [self.controller(seq).estimate.effective_rates() for seq in seqs]
+        others = max(0, batch_rows - len(seqs))
         best, best_goodput = choices, -1.0
         for cap in range(max(choices), -1, -1):
             capped = [min(k, cap) for k in choices]
-            goodput = sum(expected_tokens(r, k) for r, k in zip(rates, capped)) / self.costs.batch_step_seconds(capped)
+            goodput = (sum(expected_tokens(r, k) for r, k in zip(rates, capped)) + others) \
+                / self.costs.batch_step_seconds(capped + [0] * others)
             if goodput > best_goodput * (1 + 1e-9):
                 best, best_goodput = capped, goodput
         return best
