@@ -484,3 +484,34 @@ def test_a_row_drafting_beside_plain_rows_pays_for_their_padding():
 
     assert policy.num_tokens([row("alone")], [0])[0] >= 2
     assert policy.num_tokens([row("beside")], [0], batch_size=8) == [0]
+
+
+def test_where_the_runner_packs_rows_a_drafting_row_pays_only_for_its_own_tokens():
+    """The CPU's kernel backends pack a pass's rows one after another (`ModelRunner.pass_tokens`):
+    one row verifying k drafts beside 7 plain rows costs k + 8 tokens' work, so the row drafts as
+    as far as it would alone; padded, the same row is held to one draft."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from draftwise.speculative.control.policy import AdaptiveLength
+
+    target = {n: 0.070 * max(1.0, n / 16) for n in range(1, 129)}  # flat up to 16 tokens, then compute-bound
+    draft = {k: 0.002 * k for k in range(1, 9)}
+    packed = CostModel(target, draft, rows_padded=False)
+    ragged = [7] + [0] * 7
+    assert packed.batch_step_seconds(ragged) == pytest.approx(packed.batch_draft_seconds(ragged) + target[15])
+
+    def row(name):
+        return SimpleNamespace(request_id=name, params=SimpleNamespace(seed=None, greedy=True),
+                               num_tokens_left=1000, output_ids=[0] * 50)
+
+    chosen = {}
+    for rows_padded in (False, True):
+        policy = AdaptiveLength(CostModel(target, draft, rows_padded=rows_padded), 8)
+        policy.overall.estimate = AcceptanceEstimate.prior(8, 0.7)
+        chosen[rows_padded, "alone"] = policy.num_tokens([row("alone")], [0])[0]
+        chosen[rows_padded, "beside"] = policy.num_tokens([row("beside")], [0], batch_size=8)[0]
+    assert chosen[False, "alone"] == chosen[True, "alone"] >= 2
+    assert chosen[False, "beside"] == chosen[False, "alone"]
+    assert chosen[True, "beside"] <= 1

@@ -58,3 +58,34 @@ def test_logits_do_not_depend_on_how_a_row_is_fed_or_what_shares_its_pass(llm, w
     together = all_together(llm, prompt_ids, next_ids, window)
     for b, (a, t) in enumerate(zip(alone, together)):
         assert torch.equal(a, t), f"row {b}: max |diff| {(a - t).abs().max().item():.3g}"
+
+
+def test_rows_of_different_widths_in_one_pass_compute_their_own_tokens_only(llm):
+    """A ragged pass (one row verifying several drafts beside rows taking one token) is packed: it
+    computes sum(widths) tokens, not rows x the widest, and each row's logits are still bit for bit
+    those of its tokens fed one at a time."""
+    runner = llm.runner
+    assert runner.packs_rows  # (the CPU's native attention kernel)
+    assert runner.pass_tokens([6, 1, 1, 2]) == 10
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    next_ids = [[(5 * b + 13 * i) % 300 + 5 for i in range(NEXT)] for b in range(len(PROMPTS))]
+    alone = [one_at_a_time(llm, p, n) for p, n in zip(prompt_ids, next_ids)]
+    widths = [NEXT, 1, 2, 3, 1]  # row b takes its next tokens widths[b] at a time
+    rows = [runner.allocate() for _ in prompt_ids]
+    try:
+        runner.forward(rows, prompt_ids, [1] * len(rows))
+        fed = [0] * len(rows)
+        logits = [[] for _ in rows]
+        while any(f < NEXT for f in fed):
+            active = [b for b in range(len(rows)) if fed[b] < NEXT]
+            chunks = [next_ids[b][fed[b]:fed[b] + widths[b]] for b in active]
+            result = runner.forward([rows[b] for b in active], chunks, [len(c) for c in chunks])
+            for j, b in enumerate(active):
+                logits[b].append(result.logits[result.cu_num_logits[j]:result.cu_num_logits[j + 1]])
+                fed[b] += len(chunks[j])
+    finally:
+        for row in rows:
+            runner.free(row)
+    for b, a in enumerate(alone):
+        together = torch.cat(logits[b])
+        assert torch.equal(a, together), f"row {b}: max |diff| {(a - together).abs().max().item():.3g}"

@@ -79,8 +79,11 @@ class KVCache:
 class KVCacheView:
     """The sequences one forward pass writes and reads, in batch order.
 
-    host_positions [B][S] are the new tokens' positions; host_valid [B][S] (None: all) marks real
-    tokens: padding of a ragged batch writes to the scratch slot. Keys cover positions
+    host_positions [B][S_b] are the new tokens' positions. With a kernel backend rows may differ in
+    length: the pass's queries are packed row after row (each query names its row), so a ragged
+    batch computes its real tokens only. The SDPA paths need one S for every row: a ragged batch
+    comes padded, host_valid [B][S] (None: all) marking real tokens (padding writes to the scratch
+    slot). Keys cover positions
     0..kv_length-1 of every row (a row's positions past its own length hold stale data that no query
     attends to). A row fed a token tree has host_paths[b] (`token_tree.paths`): its tokens are stored
     one after another from host_positions[b][0] on, and token s reads the keys before that, then
@@ -103,12 +106,13 @@ class KVCacheView:
         write_slots = [blocks.slot(handle, _stored_position(host_positions[b], host_paths, b, s))
                        if host_valid is None or host_valid[b][s] else cache.scratch_slot
                        for b, handle in enumerate(handles) for s in range(len(host_positions[b]))]
-        self._write_slots = torch.tensor(write_slots, device=device)  # [B*S]
+        self._write_slots = torch.tensor(write_slots, device=device)  # [N]: every token of the pass
         self._kv_length = kv_length
         if cache.kernel is not None:
             self._block_tables = _block_table(blocks, handles, kv_length, device)  # [B, W]
-            self._query_rows = torch.arange(len(handles), device=device).repeat_interleave(len(host_positions[0]))
-            self._positions = torch.tensor(host_positions, device=device).flatten()  # [B*S]
+            row_lengths = torch.tensor([len(row) for row in host_positions], device=device)
+            self._query_rows = torch.arange(len(handles), device=device).repeat_interleave(row_lengths)  # [N]
+            self._positions = torch.tensor([p for row in host_positions for p in row], device=device)  # [N]
             self._path_start, self._path = (None, None) if host_paths is None else \
                 kernel_paths(host_positions, host_paths, device)
             return
@@ -182,9 +186,9 @@ def _pad_paths(row_paths: list[list[int]], row_positions: list[int]) -> list[lis
 
 def kernel_paths(host_positions: list[list[int]], host_paths: list[list[list[int]] | None],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' path_start [B*S] and path [B*S, S]: each query's stored key positions from its
-    row's first new token on (a chain row: the identity)."""
-    width = len(host_positions[0])
+    """The kernels' path_start [N] and path [N, S] (N queries row after row, S the longest row):
+    each query's stored key positions from its row's first new token on (a chain row: the identity)."""
+    width = max(map(len, host_positions))
     starts, rows = [], []
     for row_positions, row_paths in zip(host_positions, host_paths):
         start = row_positions[0]

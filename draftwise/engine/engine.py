@@ -252,7 +252,7 @@ class Engine:
                 first = lengths[b] + len(pending[b])
                 self.runner.keep_path(batch[b].row, [first + i for i in path], first)
         elapsed = time.perf_counter() - start
-        self._target_pass = (len(new_tokens) * max(map(len, new_tokens)), elapsed)  # (rows padded to the widest)
+        self._target_pass = (self.runner.pass_tokens(list(map(len, new_tokens))), elapsed)  # (what the pass computed)
         if capture:  # the hidden states at every fed token that stays committed
             kept = kept_positions(result.cu_num_tokens, list(map(len, pending)), num_accepted, paths)
             hand_hidden(self.drafters, batch, result.hidden, kept)

@@ -22,7 +22,7 @@ class DraftCall:
 @dataclass(slots=True)
 class StepTiming:
     is_prefill: bool
-    num_tokens: int  # tokens the target pass computed: rows x the widest row (rows are padded to it)
+    num_tokens: int  # tokens the target pass computed (`ModelRunner.pass_tokens`: padded rows included)
     target_seconds: float  # the pass, the sampler and verification (one host sync)
     drafts: dict[str, DraftCall] = field(default_factory=dict)  # method -> its call this step
 

@@ -151,7 +151,7 @@ def _make_plan(options: PlanOptions, progress) -> Plan:
 
 def with_target(costs: CostModel, target: CostModel) -> CostModel:
     """A drafter's costs with the shared table of target passes."""
-    return CostModel(dict(target.target), dict(costs.draft), costs.catch_up, costs.key, costs.spread)
+    return CostModel(dict(target.target), dict(costs.draft), costs.catch_up, costs.key, costs.spread, costs.rows_padded)
 
 
 def fleet_plan(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options: PlanOptions,

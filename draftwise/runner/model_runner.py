@@ -152,41 +152,67 @@ class ModelRunner:
             index = [b * width + len(token_ids[b]) - n + i for b, n in enumerate(num_logits) for i in range(n)]
         return ForwardResult(logits[index], _cumulative(num_logits))
 
+    @property
+    def packs_rows(self) -> bool:
+        """Whether an eager pass packs its rows' tokens one after another (a kernel backend reads each
+        query's row); otherwise (the SDPA paths) rows are padded to the widest."""
+        return self.cache.kernel is not None
+
+    @property
+    def pads_rows(self) -> bool:
+        """Whether a pass computes every row at the widest row's width: eagerly on the SDPA paths,
+        and in a static step (its shape buckets)."""
+        return not self.packs_rows or self.static_step is not None
+
+    def pass_tokens(self, counts: list[int]) -> int:
+        """The tokens a pass over rows of these new-token counts computes (what its time follows)."""
+        return len(counts) * max(counts, default=0) if self.pads_rows else sum(counts)
+
     def _eager_forward(self, rows: list[int], token_ids: list[list[int]], lengths: list[int],
                        num_logits: list[int], num_layers: int | None, capture_layers: tuple[int, ...],
                        parents: list[list[int] | None] | None) -> ForwardResult:
+        """Packed ([1, N]: rows' tokens one after another, N = sum of counts) where the cache's
+        attention is a kernel that reads each query's row; padded to the widest row ([B, S]) on the
+        SDPA paths. Either way each token's arithmetic is the same (the kernels are row-independent)."""
         counts = [len(ids) for ids in token_ids]
+        packed = self.packs_rows
         width = max(counts)
         kv_length = max(length + count for length, count in zip(lengths, counts))
-        padded = [ids + [0] * (width - len(ids)) for ids in token_ids]
-        # Padding positions continue the row (capped inside the keys read); their outputs are dropped.
-        positions = [[min(length + s, kv_length - 1) for s in range(width)] for length in lengths]
+        if packed:
+            positions = [[length + s for s in range(count)] for length, count in zip(lengths, counts)]
+        else:  # padding positions continue the row (capped inside the keys read); their outputs are dropped
+            positions = [[min(length + s, kv_length - 1) for s in range(width)] for length in lengths]
         paths = None
         if parents is not None and any(p is not None for p in parents):
             paths = [None if p is None else token_tree.paths(p, length) for p, length in zip(parents, lengths)]
             for b, row_parents in enumerate(parents):
                 if row_parents is not None:  # a tree's tokens sit at their depth; its padding at the start
                     depth = token_tree.depths(row_parents)
-                    positions[b] = [lengths[b] + depth[s] if s < counts[b] else lengths[b] for s in range(width)]
-        valid = None if min(counts) == width else [[s < count for s in range(width)] for count in counts]
-
-        token_tensor = torch.tensor(padded, device=self.device)  # [B, S]
-        position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
+                    positions[b] = [lengths[b] + depth[s] if s < counts[b] else lengths[b]
+                                    for s in range(len(positions[b]))]
+        if packed:
+            valid = None
+            token_tensor = torch.tensor([[t for ids in token_ids for t in ids]], device=self.device)  # [1, N]
+            position_tensor = torch.tensor([[p for row in positions for p in row]], device=self.device)  # [1, N]
+            starts = _cumulative(counts)[:-1]  # row b's tokens at starts[b]..
+        else:
+            valid = None if min(counts) == width else [[s < count for s in range(width)] for count in counts]
+            token_tensor = torch.tensor([ids + [0] * (width - len(ids)) for ids in token_ids], device=self.device)  # [B, S]
+            position_tensor = torch.tensor(positions, device=self.device)  # [B, S]
+            starts = [b * width for b in range(len(rows))]
         view = self.cache.view(rows, positions, valid, kv_length, paths)
         hidden, captured = self.model.hidden_states(token_tensor, position_tensor, view, num_layers=num_layers,
                                                     capture_layers=capture_layers)
 
         # Gather only the positions whose logits were asked for: the LM head is the costliest matmul.
-        batch_index = [b for b, n in enumerate(num_logits) for _ in range(n)]
-        seq_index = [counts[b] - n + i for b, n in enumerate(num_logits) for i in range(n)]
-        picked = hidden[batch_index, seq_index]  # [N, H]
-        logits = self.model.logits(picked)  # [N, V]
+        picked = hidden.flatten(0, 1)[[starts[b] + counts[b] - n + i for b, n in enumerate(num_logits)
+                                       for i in range(n)]]  # [N_logits, H]
+        logits = self.model.logits(picked)  # [N_logits, V]
         if not captured:
             return ForwardResult(logits, _cumulative(num_logits))
-        fed_batch = [b for b, count in enumerate(counts) for _ in range(count)]
-        fed_seq = [s for count in counts for s in range(count)]
+        fed = [starts[b] + s for b, count in enumerate(counts) for s in range(count)]
         return ForwardResult(logits, _cumulative(num_logits),
-                             {layer: h[fed_batch, fed_seq] for layer, h in captured.items()}, _cumulative(counts))
+                             {layer: h.flatten(0, 1)[fed] for layer, h in captured.items()}, _cumulative(counts))
 
 
 def _resolve_step_mode(step_mode: str | None, cache: KVCache) -> str | None:

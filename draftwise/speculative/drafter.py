@@ -53,5 +53,7 @@ def measure_costs(target: Target, proposer: Proposer | None, config: Speculative
     key = configuration_key(target.folder, runner.model.quantization.mode, runner.device, runner.dtype,
                             f"step={runner.step_mode}", drafter)
     max_draft = config.num_speculative_tokens if config is not None else 0
-    return load_or_measure(key, runner, proposer, target.tokenizer, min(max_draft, MAX_PROFILED_DRAFT),
-                           refresh=refresh, measure_with=config.spec.profile if config is not None else None)
+    costs = load_or_measure(key, runner, proposer, target.tokenizer, min(max_draft, MAX_PROFILED_DRAFT),
+                            refresh=refresh, measure_with=config.spec.profile if config is not None else None)
+    costs.rows_padded = runner.pads_rows
+    return costs

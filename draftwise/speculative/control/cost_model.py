@@ -12,9 +12,11 @@ in both and cancels out). Tables are measured once per machine and configuration
 interpolated / extrapolated linearly.
 
 Batches: a step over B rows where row b drafts k_b tokens is modelled as one target pass over all
-sum(k_b + 1) tokens (the weights are read once for all rows; on a CPU the linear layers dominate,
-so n tokens cost about the same in one row or in many), plus the drafter's rounds: round j runs
-over the rows still drafting and is assumed to grow with rows as the target's forward does.
+sum(k_b + 1) tokens where the runner packs a pass's rows (the weights are read once for all rows;
+on a CPU the linear layers dominate, so n tokens cost the same in one row or in many: measured,
+8 rows x 2 tokens = 1 row x 16), or over B x (max k_b + 1) where it pads rows to the widest
+(`rows_padded`: the SDPA paths, static CUDA steps), plus the drafter's rounds: round j runs over the
+rows still drafting and is assumed to grow with rows as the target's forward does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class CostModel:
     catch_up: float = 0.0  # seconds per backlog token the drafter absorbs before drafting
     key: str = ""  # what was measured: models, quantization, device, dtype, threads, torch
     spread: float = 1.0  # the largest slowest/fastest ratio between repeats of one point when measured
+    rows_padded: bool = True  # the runner pads a pass's rows to the widest (set from it; not stored)
 
     def target_seconds(self, num_tokens: int) -> float:
         return _interpolate(self.target, num_tokens)
@@ -57,15 +60,18 @@ class CostModel:
         return drafting
 
     def batch_step_seconds(self, num_draft_tokens: list[int]) -> float:
-        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`). The target's
-        pass computes every row at the widest row's width (rows are padded: B x (max k + 1) tokens;
-        measured, a row verifying 8 drafts beside 7 plain rows costs 72 tokens' work)."""
-        width = max(num_draft_tokens, default=0) + 1
-        return self.batch_draft_seconds(num_draft_tokens) + self.target_seconds(len(num_draft_tokens) * width)
+        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`): its drafting,
+        and one target pass over every row's k_b + 1 tokens, padded to the widest row where the
+        runner pads (measured padded: a row verifying 8 drafts beside 7 plain rows cost 72 tokens' work)."""
+        counts = [k + 1 for k in num_draft_tokens]
+        computed = len(counts) * max(counts, default=0) if self.rows_padded else sum(counts)
+        return self.batch_draft_seconds(num_draft_tokens) + self.target_seconds(computed)
 
     # --- persistence ------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        del data["rows_padded"]  # (the runner's, not the measurement's)
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":

@@ -54,7 +54,7 @@ class LiveCostModel(CostModel):
         """whole_run: keep every ratio instead of the recent ones (the planner's view: what passes
         cost over a whole measured run, whose requests ran at many context lengths, rather than
         what they cost in its last WINDOW steps)."""
-        super().__init__(dict(prior.target), dict(prior.draft), prior.catch_up, prior.key, prior.spread)
+        super().__init__(dict(prior.target), dict(prior.draft), prior.catch_up, prior.key, prior.spread, prior.rows_padded)
         self.prior = prior
         self.prior_path = prior_path  # the cached profile, dropped if the evidence contradicts it
         self.prior_dropped = False
@@ -119,7 +119,7 @@ class LiveCostModel(CostModel):
         """The live tables as a plain `CostModel`, every target pass `seconds` dearer (what a step
         costs beyond its timed pass: scheduling, detokenizing, the host's share)."""
         return CostModel({n: t + seconds for n, t in self.target.items()}, dict(self.draft), self.catch_up,
-                         self.key, self.spread)
+                         self.key, self.spread, self.rows_padded)
 
     # --- the live tables ------------------------------------------------------------------------
     def target_ratio(self, num_tokens: int) -> float:
