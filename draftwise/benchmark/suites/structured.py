@@ -2,7 +2,9 @@
 (`structured_workload.py`: extraction, classification, tool calls, summary cards), greedy.
 
 Batch 1: every request of the workload on every config, interleaved (the first config rotating), each
-config on its own LLM; then batch 8: the whole workload as a closed loop of 8 requests in flight.
+config on its own LLM; then batch 8: the whole workload as a closed loop of 8 requests in flight, in
+LOOP_ROUNDS rounds interleaved like the requests (each round's first config rotating; summed), so
+that no config always runs its loop first or last.
 Plain decoding is constrained too: the speedups are constrained speculative over constrained plain.
 Reported per config: speedup per kind and overall, the share of answers that parse and validate
 against their schema (a tool call: its name one of the tools, its arguments valid against that
@@ -30,6 +32,7 @@ from draftwise.sampling.params import SamplingParams
 from draftwise.structured.tool_calls import OPEN, split_tool_calls
 
 BATCH = 8
+LOOP_ROUNDS = 2
 
 
 def run(settings: BenchSettings) -> SuiteReport:
@@ -47,20 +50,22 @@ def run(settings: BenchSettings) -> SuiteReport:
     configs = settings.configs_or(defaults + [f"{defaults[0]}:forced_drafts=false"] if defaults else [])
     base = LLMRecipe(settings.model, max_num_seqs=BATCH, max_model_len=settings.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    probes = [ClosedLoop(BATCH, tuple(p for _, p, _ in items), tuple(k for k, _, _ in items), max_tokens,
-                         tuple(extra for _, _, extra in items)),
-              ForwardCost(sizes=(1,), context=256), EngineCounters()]
+    loop = ClosedLoop(BATCH, tuple(p for _, p, _ in items), tuple(k for k, _, _ in items), max_tokens,
+                      tuple(extra for _, _, extra in items))
+    probes = [loop] * LOOP_ROUNDS + [ForwardCost(sizes=(1,), context=256), EngineCounters()]
     with lineup(config_recipes(base, configs, params, settings.options), settings.isolation) as contestants:
         results = run_benchmark(contestants, items + probes, warm_up=items[0][1], progress=settings.progress)
     summary = summarize(results)
-    plain_step = results[0].measures[1]["seconds"][1]
+    plain_step = results[0].measures[LOOP_ROUNDS]["seconds"][1]
+    loops = {result.name: _rounds(result.measures[:LOOP_ROUNDS]) for result in results}
+    base_loop = loops[results[0].name]
     rows, batch_rows, valid_counts = [], [], {}
     for result in results:
         valid = [valid_answer(kind, tokenizer.decode(r.token_ids, skip_special_tokens=False), extra)
                  for (kind, _, extra), r in zip(items, result.requests)]
-        loop, _, counters = result.measures
+        loop, counters = loops[result.name], result.measures[-1]
         batch_valid = [valid_answer(kind, tokenizer.decode(ids, skip_special_tokens=False), extra)
-                       for (kind, _, extra), ids in zip(items, loop["outputs"])]
+                       for (kind, _, extra), ids in zip(items * LOOP_ROUNDS, loop["outputs"])]
         valid_counts[result.name] = (sum(valid), sum(batch_valid))
         per_step = counters["grammar_seconds"] / max(counters["constrained_steps"], 1)
         figures = summary[result.name]
@@ -68,29 +73,35 @@ def run(settings: BenchSettings) -> SuiteReport:
                      number(figures["all"]["tau"]), f"{sum(valid)}/{len(valid)}",
                      f"{figures['all']['equal_to_plain']}/{figures['all']['requests']}",
                      f"{per_step * 1e3:.2f} ms ({percent(per_step / plain_step)})"])
-        base_loop = results[0].measures[0]
         batch_rows.append([result.name, f"{loop['tokens_per_s']:.1f}",
                            ratio(speedup(loop["tokens"], loop["seconds"], base_loop["tokens"], base_loop["seconds"])),
                            f"{sum(batch_valid)}/{len(batch_valid)}",
-                           f"{sum(a == b for a, b in zip(loop['outputs'], base_loop['outputs']))}/{len(items)}"])
+                           f"{sum(a == b for a, b in zip(loop['outputs'], base_loop['outputs']))}/{len(loop['outputs'])}"])
     text = "\n\n".join([
         f"{settings.model}: {len(items)} requests ({', '.join(f'{k} {len(items) // len(KINDS)}' for k in KINDS)}), "
         f"greedy, up to {max_tokens} tokens, every one constrained (plain decoding too); batch 1 interleaved "
-        f"request by request, then a closed loop of {BATCH} in flight. A plain step here: "
+        f"request by request, then a closed loop of {BATCH} in flight ({LOOP_ROUNDS} rounds, interleaved). A plain step here: "
         f"{plain_step * 1e3:.1f} ms.",
         control_line(summary[CONTROL]["all"]["speedup"]),
         "Batch 1: speedup over constrained plain decoding per kind; tau; answers that parse and validate; "
         "outputs = plain; structured outputs' own time per constrained step on the engine's thread (masks "
         "waited for, drafts cut, forced tokens found, the grammar advanced), and its share of a plain step:",
         table(["config", *KINDS, "all", "tau", "valid", "outputs = plain", "grammar time / step"], rows),
-        f"Batch {BATCH} (closed loop): generated tokens/s, speedup over constrained plain at the same concurrency, "
-        "valid answers, outputs = plain:",
+        f"Batch {BATCH} (closed loop, {LOOP_ROUNDS} rounds): generated tokens/s, speedup over constrained plain at "
+        "the same concurrency, valid answers, outputs = plain (every round's):",
         table(["config", "tokens/s", "vs plain", "valid", "outputs = plain"], batch_rows)])
     data = {"summary": summary, "valid": valid_counts, "plain_step_seconds": plain_step,
             "requests": {r.name: [asdict(q) for q in r.requests] for r in results},
             "measures": {r.name: [{k: v for k, v in m.items() if k != "outputs"} for m in r.measures]
                          for r in results}}
     return SuiteReport("structured", text, data)
+
+
+def _rounds(loops: list[dict]) -> dict:
+    """A config's closed-loop rounds as one: tokens and seconds summed, every round's outputs."""
+    tokens, seconds = sum(m["tokens"] for m in loops), sum(m["seconds"] for m in loops)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "outputs": [ids for m in loops for ids in m["outputs"]]}
 
 
 def valid_answer(kind: str, text: str, extra: dict) -> bool:
