@@ -19,6 +19,18 @@ def test_the_nodes_that_pay_depend_on_the_cost_curve():
     assert nodes_that_pay([0.1, 0.05, 0.9], STEEP, keep=1) >= 1  # kept nodes stay
 
 
+def test_in_a_batch_a_node_pays_for_the_slope_where_the_pass_already_is():
+    """On a curve flat up to 4 tokens, a row alone verifies three likely nodes for free; beside 7
+    rows the pass is already 8 tokens, on the steep part, and the same nodes do not pay there."""
+    cpu = lambda n: max(1.0, n / 4)  # noqa: E731
+    scores = [0.9, 0.6, 0.3]
+    assert nodes_that_pay(scores, cpu) == 3
+    assert nodes_that_pay(scores, lambda m: cpu(m + 7), beside=7) == 0
+    assert nodes_that_pay([0.99, 0.98], lambda m: cpu(m + 7), beside=7) == 0  # compute-bound: nothing can
+    sublinear = lambda m: 1 + 0.15 * (m + 6)  # noqa: E731  (each token 0.15 of a step)
+    assert nodes_that_pay([0.99, 0.98], sublinear, beside=7) == 2  # near-certain nodes still pay there
+
+
 def test_the_draft_models_tree_keeps_its_chain_and_orders_siblings_as_drawn():
     chain, confidences = [10, 11, 12], [0.5, 0.9, 0.8]
     leaves = [[(20, 0.3, None), (21, 0.4, None)], [(22, 0.05, None)], []]  # 21 drawn after 20, likelier

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 
@@ -196,10 +197,12 @@ class Engine:
             proposals = drafter.proposer.propose(seqs, num_tokens)
             elapsed = time.perf_counter() - start
             self._draft_calls[method] = DraftCall(num_tokens, elapsed, lags)
+            beside = len(batch) - 1  # the step's other rows, counted as plain ones
             for b, draft in zip(rows, proposals):
                 if draft.scores is not None and drafter.costs is not None:  # a tree: the part that pays
-                    draft = draft.prefix(nodes_that_pay(draft.scores, drafter.costs.target_seconds,
-                                                        elapsed / len(rows), draft.kept_nodes))
+                    pass_seconds = partial(_pass_seconds, drafter.costs, beside)
+                    draft = draft.prefix(nodes_that_pay(draft.scores, pass_seconds, elapsed / len(rows),
+                                                        draft.kept_nodes, beside))
                 # Randomized drafting's relaxed test is for chains: such rows verify the tree's first children.
                 drafts[b] = draft.first_children() if self._draft_rate(batch[b]) < 1 else draft
                 if batch[b].grammar is not None:  # a chain inside the grammar
@@ -351,3 +354,8 @@ def _fed_parents(num_pending: int, draft_parents: list[int]) -> list[int]:
 
 def _coin(probability: float) -> bool:
     return bool(torch.rand(()) < probability)
+
+
+def _pass_seconds(costs, beside: int, num_tokens: int) -> float:
+    """A target pass in which one row feeds num_tokens tokens and `beside` rows one each."""
+    return costs.pass_seconds([num_tokens] + [1] * beside)

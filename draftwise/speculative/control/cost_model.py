@@ -59,13 +59,16 @@ class CostModel:
             drafting += (self.draft_seconds(j) - self.draft_seconds(j - 1)) * self.target_seconds(rows) / plain
         return drafting
 
+    def pass_seconds(self, counts: list[int]) -> float:
+        """One target pass in which row b feeds counts[b] tokens: their sum where the runner packs
+        rows, rows x the widest where it pads them (measured padded: a row verifying 8 drafts beside
+        7 plain rows cost 72 tokens' work)."""
+        return self.target_seconds(len(counts) * max(counts, default=0) if self.rows_padded else sum(counts))
+
     def batch_step_seconds(self, num_draft_tokens: list[int]) -> float:
-        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`): its drafting,
-        and one target pass over every row's k_b + 1 tokens, padded to the widest row where the
-        runner pads (measured padded: a row verifying 8 drafts beside 7 plain rows cost 72 tokens' work)."""
-        counts = [k + 1 for k in num_draft_tokens]
-        computed = len(counts) * max(counts, default=0) if self.rows_padded else sum(counts)
-        return self.batch_draft_seconds(num_draft_tokens) + self.target_seconds(computed)
+        """A step of a batch whose row b drafts k_b tokens (one row: `step_seconds`): its drafting and
+        one target pass over every row's k_b + 1 tokens."""
+        return self.batch_draft_seconds(num_draft_tokens) + self.pass_seconds([k + 1 for k in num_draft_tokens])
 
     # --- persistence ------------------------------------------------------------------------
     def to_json(self) -> str:

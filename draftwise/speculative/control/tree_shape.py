@@ -18,9 +18,15 @@ from typing import Callable
 
 
 def nodes_that_pay(scores: list[float], target_seconds: Callable[[int], float], draft_seconds: float = 0.0,
-                   keep: int = 0) -> int:
-    """The n in keep..len(scores) maximizing (1 + sum(scores[:n])) / (draft_seconds + target_seconds(n + 1))."""
-    expected = 1.0 + sum(scores[:keep])
+                   keep: int = 0, beside: int = 0) -> int:
+    """The n in keep..len(scores) maximizing (1 + sum(scores[:n])) / (draft_seconds + target_seconds(n + 1)).
+
+    In a batch, `target_seconds(m)` is the whole pass with this row feeding m tokens, and the pass
+    commits `beside` tokens of other rows too: the n maximizing the pass's goodput (beside + 1 +
+    sum(scores[:n])) / (draft_seconds + target_seconds(n + 1)). A node then costs the curve's slope
+    where the batch already is, not at its start: on a CPU, past the first few tokens of a pass, a
+    node must be likelier to pay for itself."""
+    expected = beside + 1.0 + sum(scores[:keep])
     best_n, best_rate = keep, expected / (draft_seconds + target_seconds(keep + 1))
     for n, score in enumerate(scores[keep:], start=keep + 1):
         expected += score
