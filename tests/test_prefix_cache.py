@@ -40,6 +40,33 @@ def test_shared_blocks_are_counted_and_evicted_least_recently_released_first():
         blocks.truncate(2, 6)
 
 
+def test_a_reset_prefix_cache_finds_nothing_and_frees_its_idle_blocks():
+    blocks = BlockManager(num_blocks=8, block_size=4, prefix_caching=True)
+    tokens = list(range(13))
+    for handle in (0, 1):  # 0 finishes (its blocks idle, cached); 1 is still running
+        blocks.add(handle)
+        blocks.grow(handle, 13)
+        blocks.set_length(handle, 12)
+        blocks.register(handle, tokens if handle == 0 else [t + 100 for t in tokens])
+    blocks.free(0)
+    assert len(blocks._cached) == 3
+    blocks.reset_prefix_cache()
+    blocks.check_invariants()
+    assert len(blocks._cached) == 0 and blocks.num_free_blocks == 4
+    blocks.add(2)
+    assert blocks.share_prefix(2, tokens) == 0
+    assert blocks.share_prefix(2, [t + 100 for t in tokens]) == 0  # (a running sequence's blocks too)
+    blocks.free(1)
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == 8 and len(blocks._cached) == 0
+    blocks.grow(2, 13)  # registering and finding work again after a reset
+    blocks.set_length(2, 12)
+    blocks.register(2, tokens)
+    blocks.add(3)
+    assert blocks.share_prefix(3, tokens) == 12
+    blocks.check_invariants()
+
+
 @pytest.fixture(scope="module")
 def uncached(tiny_qwen):
     return LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=8, progress=False, enable_prefix_caching=False)
@@ -77,3 +104,17 @@ def test_eviction_and_preemption_with_a_small_cache(tiny_qwen, uncached):
     assert [o.token_ids for o in llm.generate(prompts[::-1], params)] == expected[::-1]
     llm.runner.blocks.check_invariants()
     assert llm.engine_stats()["prefix_cache_hits"] > 0
+
+
+def test_after_reset_prefix_cache_a_prompt_served_before_is_prefilled_again(tiny_qwen):
+    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=2, progress=False)
+    prompt, params = SYSTEM + QUESTIONS[0], SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate(prompt, params)[0].token_ids
+    hits = llm.engine_stats()["prefix_cache_hits"]
+    assert llm.generate(prompt, params)[0].token_ids == first
+    assert llm.engine_stats()["prefix_cache_hits"] > hits
+    llm.reset_prefix_cache()
+    hits = llm.engine_stats()["prefix_cache_hits"]
+    assert llm.generate(prompt, params)[0].token_ids == first
+    assert llm.engine_stats()["prefix_cache_hits"] == hits
+    llm.runner.blocks.check_invariants()

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class ClosedLoop:
     """`concurrency` requests in flight through continuous batching until every prompt has run
-    (`draftwise.llm.closed_loop`), greedy, each request labelled with its segment; its drafters
-    first forget earlier requests' text (the same prompts, run one by one before, would otherwise be
-    drafted from suffix decoding's cache as requests seen before)."""
+    (`draftwise.llm.closed_loop`), greedy, each request labelled with its segment. The same prompts
+    ran before (one by one, or in an earlier loop), so first its drafters forget earlier requests'
+    text (suffix decoding would draft them as requests seen before) and the prefix cache is reset
+    (the target would skip their prefill, a draft model could not: both serve them as new traffic)."""
     concurrency: int
     prompts: tuple[str, ...]
     segments: tuple[str, ...]
@@ -28,6 +29,7 @@ class ClosedLoop:
 
         params = [SamplingParams(temperature=0.0, max_tokens=self.max_tokens, **extra) for extra in self.extras]
         config.llm.forget_drafter_history()
+        config.llm.reset_prefix_cache()
         return run_closed_loop(config.llm, list(self.prompts), [self.max_tokens] * len(self.prompts),
                                self.concurrency, segments=list(self.segments), params=params or None)
 

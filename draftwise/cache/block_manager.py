@@ -132,6 +132,16 @@ class BlockManager:
         self.prefix_hits += self.lengths[handle]
         return self.lengths[handle]
 
+    def reset_prefix_cache(self) -> None:
+        """Nothing cached is found again: idle cached blocks return to the free pool and no block
+        keeps its hash (sequences running keep their blocks; what they commit later is registered
+        as before)."""
+        for block in self._cached:
+            heapq.heappush(self._free, block)
+        self._cached.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
     def register(self, handle: int, token_ids: list[int]) -> None:
         """The sequence's full blocks of committed tokens (token_ids, of which it holds the first
         `lengths[handle]`) become findable by `share_prefix`."""

@@ -342,6 +342,12 @@ class LLM:
             if forget is not None:
                 forget()
 
+    def reset_prefix_cache(self) -> None:
+        """vLLM's name: no request finds an earlier one's tokens cached any more (the blocks are
+        kept as free memory). Benchmarks call it so that requests run before are not prefilled from
+        the cache when they are served again as new traffic."""
+        self.runner.blocks.reset_prefix_cache()
+
     def engine_stats(self) -> dict:
         """Queue lengths, KV blocks, and the mean k per drafter in the last step (for metrics)."""
         blocks = self.runner.blocks
