@@ -30,6 +30,18 @@ def test_greedy_is_deterministic_and_batch_equals_solo(tiny_llm):
     assert len({tuple(o.token_ids) for o in batched}) > 1
 
 
+def test_one_sampling_params_per_prompt(tiny_llm):
+    """vLLM's list form: prompt i runs with sampling_params[i]; a list of another length is refused."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 7)] + \
+        [SamplingParams(temperature=0.8, seed=1, max_tokens=5, n=2, ignore_eos=True)]
+    outputs = tiny_llm.generate(PROMPTS[:3], params)
+    assert [len(o.token_ids) for o in outputs] == [3, 7, 5] and len(outputs[2].outputs) == 2
+    assert outputs[1].token_ids == tiny_llm.generate(PROMPTS[1], params[1])[0].token_ids
+    assert outputs[2].outputs[1].token_ids == tiny_llm.generate(PROMPTS[2], params[2])[0].outputs[1].token_ids
+    with pytest.raises(InvalidParameterError, match="2 sampling_params for 3 prompts"):
+        tiny_llm.generate(PROMPTS[:3], params[:2])
+
+
 def test_stop_token_ends_exactly_there(tiny_llm):
     full = tiny_llm.generate("def add(a, b):", GREEDY)[0].token_ids
     stop_at = next(i for i, t in enumerate(full) if t not in full[:i] and i >= 3)

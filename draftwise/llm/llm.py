@@ -234,17 +234,25 @@ class LLM:
         return sampling_params
 
     def generate(self, prompts: str | TokensPrompt | list[str | TokensPrompt],
-                 sampling_params: SamplingParams | None = None, *, segment: str | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 segment: str | None = None) -> list[RequestOutput]:
         """Run every prompt (text, or {"prompt_token_ids": [...]}) to completion, batched; outputs
-        come back in prompt order. A request that fails ends alone with finish_reason "error" and
+        come back in prompt order. sampling_params: one for every prompt, or a list of one per
+        prompt (vLLM's forms). A request that fails ends alone with finish_reason "error" and
         its `error`; the others finish as they would have. segment: a traffic label (the adaptive
         controller keeps statistics per segment). With n > 1 (or best_of), every prompt's samples run
         as requests of their own and its output gathers them (`outputs`: vLLM's shape)."""
-        params = self._params(sampling_params)
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        samples = per_sample(params)
-        sequences = [self._make_sequence(prompt, sample, segment)  # (validate all first)
-                     for prompt in prompt_list for sample in samples]
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompt_list):
+                raise InvalidParameterError(f"{len(sampling_params)} sampling_params for {len(prompt_list)} prompts: "
+                                            "give one for all, or one per prompt")
+            params_list = [self._params(params) for params in sampling_params]
+        else:
+            params_list = [self._params(sampling_params)] * len(prompt_list)
+        groups = [[self._make_sequence(prompt, sample, segment) for sample in per_sample(params)]  # (validate all first)
+                  for prompt, params in zip(prompt_list, params_list)]
+        sequences = [seq for group in groups for seq in group]
         for seq in sequences:
             self.engine.check(seq)
         for seq in sequences:
@@ -258,8 +266,7 @@ class LLM:
                     self.engine.abort(seq)
         for seq in sequences:
             self.spec_metrics.merge(seq.metrics.spec)
-        outputs = [seq.output() for seq in sequences]
-        return [gathered(outputs[i:i + len(samples)], params) for i in range(0, len(outputs), len(samples))]
+        return [gathered([seq.output() for seq in group], params) for group, params in zip(groups, params_list)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
