@@ -80,13 +80,12 @@ class KVCacheView:
     """The sequences one forward pass writes and reads, in batch order.
 
     host_positions [B][S_b] are the new tokens' positions. With a kernel backend rows may differ in
-    length: the pass's queries are packed row after row (each query names its row), so a ragged
-    batch computes its real tokens only. The SDPA paths need one S for every row: a ragged batch
-    comes padded, host_valid [B][S] (None: all) marking real tokens (padding writes to the scratch
-    slot). Keys cover positions
-    0..kv_length-1 of every row (a row's positions past its own length hold stale data that no query
-    attends to). A row fed a token tree has host_paths[b] (`token_tree.paths`): its tokens are stored
-    one after another from host_positions[b][0] on, and token s reads the keys before that, then
+    length: the pass's queries are packed row after row (each query names its row), so a ragged batch
+    computes its real tokens only. The SDPA paths need one S for every row: a ragged batch comes padded,
+    host_valid [B][S] (None: all) marking real tokens (padding writes to the scratch slot). Keys cover
+    positions 0..kv_length-1 of every row (a row's positions past its own length hold stale data that no
+    query attends to). A row fed a token tree has host_paths[b] (`token_tree.paths`): its tokens are
+    stored one after another from host_positions[b][0] on, and token s reads the keys before that, then
     those at host_paths[b][s]; rows without one (None) are chains.
     """
 
