@@ -11,9 +11,9 @@ prefill step admits it (its first token comes out of that step: time to first to
 with decode steps over every running request (as `engine/scheduler.py` does). A step's duration comes from the machine's
 `CostModel`: a prefill over n prompt tokens costs `target_seconds(n)` (or `prefill_seconds(n)`
 where prefills were timed: `measure.PrefillCost`); a decode step whose row b
-drafts k_b tokens costs `batch_step_seconds([k_b])` - one target pass over rows x (max k_b + 1)
-tokens (rows are padded to the widest) plus the drafter's rounds, so verification grows with
-batch x (k + 1).
+drafts k_b tokens costs `batch_step_seconds([k_b])` - one target pass over sum(k_b + 1) tokens
+where the runner packs rows (rows x (max k_b + 1) where it pads them: `CostModel.pass_seconds`)
+plus the drafter's rounds, so verification grows with batch x (k + 1).
 
 Acceptance. Per segment, `Acceptance`: the chance that the drafter proposes at all, and a_i, the
 chance that drafted token i is accepted given that tokens 0..i-1 were (measured by

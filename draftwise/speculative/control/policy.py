@@ -124,7 +124,8 @@ class AdaptiveLength:
         was 0 stay plain, so drafting and plain rows mix in one step. (No row's output depends on
         its k: greedy and seeded rows emit what plain decoding emits, unseeded ones follow the
         target's distribution whatever k is.) The step's other rows (plain ones, other drafters')
-        count as plain rows: each commits one token and is padded to the drafting rows' width."""
+        count as plain rows: each commits one token and feeds one (padded to the drafting rows'
+        width where the runner pads: `CostModel.pass_seconds`)."""
         rates = [self.controller(seq).estimate.effective_rates() for seq in seqs]
         others = max(0, batch_rows - len(seqs))
         best, best_goodput = choices, -1.0
