@@ -19,6 +19,7 @@ from draftwise.benchmark.probes import BuildInfo
 from draftwise.benchmark.report import speedup_tables
 from draftwise.benchmark.runner import ConfigResult, RequestResult, lineup, run_benchmark
 from draftwise.benchmark.suites import BenchSettings, run_suite
+from draftwise.benchmark.suites.concurrency import LOOP_ROUNDS
 from draftwise.benchmark.summary import speedup, summarize
 from draftwise.cli import main
 from draftwise.cli.speculative_flags import speculative_arguments
@@ -240,13 +241,27 @@ def test_adaptive_suite_sets_adaptive_against_fixed_k(settings, fast_profiles):
     assert control_ratio(report.markdown) > 0
 
 
+def test_rounds_of_a_closed_loop_pool_their_tokens_time_and_latencies():
+    from draftwise.llm.closed_loop import merge_rounds
+
+    first = {"tokens": 30, "seconds": 3.0, "tokens_per_s": 10.0, "latencies": [1.0, 2.0, 9.0], "ttfts": [0.1, 0.2, 0.3],
+             "outputs": [[1], [2], [3]]}
+    second = {"tokens": 30, "seconds": 2.0, "tokens_per_s": 15.0, "latencies": [3.0, 4.0, 5.0], "ttfts": [0.4, 0.5, 0.6],
+              "outputs": [[1], [2], [4]]}
+    merged = merge_rounds([first, second])
+    assert (merged["tokens"], merged["seconds"], merged["tokens_per_s"]) == (60, 5.0, 12.0)  # not the mean of 10 and 15
+    assert merged["p50"] == 3.5 and merged["ttft_p50"] == pytest.approx(0.35) and merged["rounds"] == [10.0, 15.0]
+    assert merged["outputs"] == [[1], [2], [3], [1], [2], [4]] and merged["latencies"] == [1.0, 2.0, 3.0, 4.0, 5.0, 9.0]
+
+
 def test_concurrency_suite_runs_closed_loops_per_level(settings):
     report = run_suite("concurrency", replace(settings, configs=("ngram:k=2",), levels=(1, 2), requests=3))
     points = report.data["points"]
     assert list(points) == ["plain", "ngram:k=2", CONTROL] and all(list(p) == [1, 2] for p in points.values())
     for name, by_level in points.items():
         for level, point in by_level.items():
-            assert point["equal_to_plain"] == 3 and point["tokens"] > 0, (name, level)
+            assert point["equal_to_plain"] == 3 * LOOP_ROUNDS and len(point["rounds"]) == LOOP_ROUNDS, (name, level)
+            assert point["tokens"] > 0 and len(point["latencies"]) == 3 * LOOP_ROUNDS, (name, level)
     assert points["plain"][2]["speedup"] == 1.0
     assert "| ngram:k=2 | 2 |" in report.markdown and control_ratio(report.markdown) > 0
     assert report.plots["throughput and p95 latency vs concurrency"].stat().st_size > 1000

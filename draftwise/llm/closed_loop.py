@@ -21,7 +21,8 @@ def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurr
     prompt) until every prompt has run once, greedy (or each with its own `params`, which then
     carry the max_tokens). `segments`: each request's traffic label.
     Returns tokens, seconds (the loop's wall time), tokens_per_s, latency p50 / p95 (arrival to last
-    token), TTFT p50 / p95, and each prompt's output token ids."""
+    token), TTFT p50 / p95, the latencies and TTFTs themselves (sorted), and each prompt's output
+    token ids."""
     queue = list(enumerate(prompts))
     in_flight: dict[str, tuple[int, float]] = {}
     latencies, ttfts, outputs, tokens = [], [], [None] * len(prompts), 0
@@ -48,7 +49,23 @@ def run_closed_loop(llm: LLM, prompts: list[str], max_tokens: list[int], concurr
     seconds = time.perf_counter() - started
     latencies.sort()
     ttfts.sort()
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "p50": statistics.median(latencies), "p95": percentile(latencies, 0.95),
-            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": percentile(ttfts, 0.95),
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, **_spread(latencies, ttfts),
             "outputs": outputs}
+
+
+def merge_rounds(loops: list[dict]) -> dict:
+    """Rounds of the same closed loop (as `run_closed_loop` returns them) as one: tokens and seconds
+    summed, latencies and TTFTs pooled, every round's outputs in order; `rounds`: each round's
+    tokens/s."""
+    tokens, seconds = sum(loop["tokens"] for loop in loops), sum(loop["seconds"] for loop in loops)
+    latencies = sorted(x for loop in loops for x in loop["latencies"])
+    ttfts = sorted(x for loop in loops for x in loop["ttfts"])
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, **_spread(latencies, ttfts),
+            "outputs": [ids for loop in loops for ids in loop["outputs"]],
+            "rounds": [loop["tokens_per_s"] for loop in loops]}
+
+
+def _spread(latencies: list[float], ttfts: list[float]) -> dict:
+    return {"p50": statistics.median(latencies), "p95": percentile(latencies, 0.95),
+            "ttft_p50": statistics.median(ttfts) if ttfts else 0.0, "ttft_p95": percentile(ttfts, 0.95),
+            "latencies": latencies, "ttfts": ttfts}

@@ -28,6 +28,7 @@ from draftwise.benchmark.suites import BenchSettings
 from draftwise.benchmark.suites.speculative import tokenizer_of
 from draftwise.benchmark.summary import speedup, summarize
 from draftwise.errors import InvalidParameterError
+from draftwise.llm.closed_loop import merge_rounds
 from draftwise.sampling.params import SamplingParams
 from draftwise.structured.tool_calls import OPEN, split_tool_calls
 
@@ -57,7 +58,7 @@ def run(settings: BenchSettings) -> SuiteReport:
         results = run_benchmark(contestants, items + probes, warm_up=items[0][1], progress=settings.progress)
     summary = summarize(results)
     plain_step = results[0].measures[LOOP_ROUNDS]["seconds"][1]
-    loops = {result.name: _rounds(result.measures[:LOOP_ROUNDS]) for result in results}
+    loops = {result.name: merge_rounds(result.measures[:LOOP_ROUNDS]) for result in results}
     base_loop = loops[results[0].name]
     rows, batch_rows, valid_counts = [], [], {}
     for result in results:
@@ -95,13 +96,6 @@ def run(settings: BenchSettings) -> SuiteReport:
             "measures": {r.name: [{k: v for k, v in m.items() if k != "outputs"} for m in r.measures]
                          for r in results}}
     return SuiteReport("structured", text, data)
-
-
-def _rounds(loops: list[dict]) -> dict:
-    """A config's closed-loop rounds as one: tokens and seconds summed, every round's outputs."""
-    tokens, seconds = sum(m["tokens"] for m in loops), sum(m["seconds"] for m in loops)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "outputs": [ids for m in loops for ids in m["outputs"]]}
 
 
 def valid_answer(kind: str, text: str, extra: dict) -> bool:
