@@ -129,6 +129,8 @@ def test_speculation_under_a_constraint_changes_nothing(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "tools", "Unimplemented keys"),
     ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id", "tool_call_id is required"),
+    ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs", "unknown name"),
+    ({"guided_grammar": 'start: "a" (('}, "guided_grammar", "structured_outputs.grammar"),
 ])
 def test_malformed_constraints_are_a_400_naming_the_field(server, body, param, message):
     response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
@@ -193,6 +195,33 @@ def test_tool_choice_none_and_auto_answer_in_text(server):
     message = auto.choices[0].message  # the random model writes text; a call it opened would be valid
     for call in message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+def test_auto_reads_the_call_a_model_opens_and_streams_it(server, reference):
+    """tool_choice auto: text or calls, as the model chooses. The random model is nudged to open a
+    call at once and to end its turn after it (logit_bias on `<tool_call>`, less on `<|im_end|>`);
+    the grammar holds what is inside the tags to one valid call."""
+    token_id = reference.tokenizer.token_to_id
+    bias = {str(token_id("<tool_call>")): 100, str(token_id("<|im_end|>")): 50}
+    fields = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], parallel_tool_calls=False, logit_bias=bias, **CALLS)
+    client = server.client()
+    choice = client.chat.completions.create(**fields).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    streamed = [chunk.choices[0].delta for chunk in client.chat.completions.create(**fields, stream=True)
+                if chunk.choices]
+    deltas = [call for delta in streamed for call in delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+    assert not any("<tool_call>" in (delta.content or "") for delta in streamed)
+
+
+def test_an_answer_that_cannot_finish_in_max_tokens_ends_with_length(server):
+    answer = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0,
+                                                     response_format={"type": "json_schema", "json_schema": {
+                                                         "name": "weather", "schema": SCHEMA}})
+    assert answer.choices[0].finish_reason == "length" and len(answer.choices[0].message.content) > 0
 
 
 def test_a_conversation_with_a_call_and_its_result(server, reference):

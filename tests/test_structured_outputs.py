@@ -192,6 +192,40 @@ def test_free_and_constrained_requests_share_a_batch(plain):
             assert outputs[request_id].token_ids == expected_free[i]
 
 
+def test_masks_are_computed_while_the_target_pass_runs(plain, monkeypatch):
+    """A step's masks and its target pass meet at a barrier: computed before the pass (or after it),
+    the masks would wait there for a pass that never comes, and the barrier breaks."""
+    import threading
+
+    import draftwise.engine.constrained as constrained
+
+    meeting, pending, met = threading.Barrier(2, timeout=30), [], []
+    runner, submit, fill = plain.engine.runner, constrained._MASK_THREAD.submit, constrained.fill_masks
+    forward = runner.forward
+
+    def submitting(*args):  # (on the engine's thread, before the pass)
+        pending.append(True)
+        return submit(*args)
+
+    def forward_meeting(*args, **kwargs):
+        if pending:
+            pending.pop()
+            meeting.wait()
+        return forward(*args, **kwargs)
+
+    def fill_meeting(*args):
+        met.append(meeting.wait() is not None)
+        return fill(*args)
+
+    monkeypatch.setattr(constrained._MASK_THREAD, "submit", submitting)
+    monkeypatch.setattr(runner, "forward", forward_meeting)
+    monkeypatch.setattr(constrained, "fill_masks", fill_meeting)
+    outputs = plain.generate(PROMPTS[:2], greedy("regex"))
+    for output in outputs:
+        assert_matches("regex", output.text)
+    assert len(met) >= len(outputs[0].token_ids) and all(met) and not pending
+
+
 # --- speculation under a grammar ----------------------------------------------------------------
 
 
@@ -223,6 +257,37 @@ def test_forced_tokens_are_drafted_and_accepted(tiny_qwen, plain, drafting_pays)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     totals = spec_totals(outputs)
     assert totals.num_accepted_tokens > 0 and totals.num_draft_tokens > 1.5 * totals.num_drafts, totals.summary()
+
+
+def test_drafts_are_cut_where_they_leave_the_grammar_before_the_pass(tiny_qwen, plain, drafting_pays, monkeypatch):
+    """Prompt lookup copies the prompt, which the regex mostly refuses: each draft is cut at its
+    first refused token, and what the target's pass is fed is all inside the grammar (greedy rows
+    keep nothing refused: it could never equal the masked target's token)."""
+    import draftwise.engine.engine as engine_module
+
+    cut, fed = [], []
+    cut_draft, pending_masks = engine_module.within_grammar, engine_module.PendingMasks
+
+    def cutting(seq, draft, limit):
+        kept = cut_draft(seq, draft, limit)
+        cut.append(len(draft.first_children().token_ids[:limit]) - len(kept.token_ids))
+        return kept
+
+    def feeding(batch, drafts, vocab_size):  # built just before the pass, from the drafts it is fed
+        for seq, draft in zip(batch, drafts):
+            if seq.grammar is not None and draft.token_ids:
+                fed.append(seq.grammar.valid_prefix(draft.token_ids) == len(draft.token_ids))
+        return pending_masks(batch, drafts, vocab_size)
+
+    monkeypatch.setattr(engine_module, "within_grammar", cutting)
+    monkeypatch.setattr(engine_module, "PendingMasks", feeding)
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1,
+                           "adaptive": False, "forced_drafts": False})
+    prompts = ["def add(a, b): return a + b\ndef add(a, b): return a + b\ndef"] * 2
+    params = greedy("regex")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert any(n > 0 for n in cut) and fed and all(fed), (cut, fed)
 
 
 def test_free_rows_beside_constrained_ones_are_unchanged(tiny_qwen, random_draft, plain, drafting_pays):
