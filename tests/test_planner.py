@@ -171,6 +171,32 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
     assert main(["plan", "--from-plan", str(paths["json"])]) != 0  # --costs is needed too: a clear error
 
 
+def test_the_plan_prices_passes_as_its_runs_timed_them_not_as_the_profile_says(tiny_qwen, tmp_path, monkeypatch):
+    """The cached profile is only the prior: a profile 1.3x dearer than the passes the plan's runs
+    time (a fake clock: 10 ms + 1 ms a token) leaves the plan's tables at the timed costs, for the
+    passes the runs made (1 token: plain; k + 1: the drafter's)."""
+    import json
+
+    from draftwise.llm.llm import LLM
+    from draftwise.planner.make import make_plan
+    from draftwise.planner.plan import PlanOptions
+    from tests.clocks import WorkClock
+
+    clock = WorkClock(monkeypatch, "draftwise.speculative.control.profile", "draftwise.engine.sequence",
+                      "draftwise.engine.engine", "draftwise.llm.closed_loop")
+    prior = CostModel({n: 1.3 * clock.cost(n) for n in range(1, 17)}, {k: 0.0 for k in range(1, 9)})
+    monkeypatch.setattr(LLM, "measure_costs", lambda self, proposer, config: prior)
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("\n".join(json.dumps({"prompt": p, "segment": "code"}) for p in (
+        "def add(a, b): return a + b\ndef add(a, b):", "for i in range(3): print(i)\nfor i in range(3):")) + "\n")
+    options = PlanOptions(str(traffic), model=str(tiny_qwen), drafters=("ngram",), concurrency=(1,), sample=2,
+                          max_tokens=24, max_k=3)
+    plan = make_plan(options, progress=lambda line: None)
+    for table in (plan.costs["plain"]["target"], plan.costs["ngram"]["target"]):
+        assert table[1] == pytest.approx(clock.cost(1)) and table[1] < prior.target[1] / 1.2
+    assert plan.costs["plain"]["target"][4] == pytest.approx(clock.cost(4))  # ngram's k = 3 verifications
+
+
 def test_validation_pools_rounds_each_against_its_own_plain_run(monkeypatch):
     """Each round's drafter run is divided by that round's plain run; a row is the median of its
     rounds; the recommended fixed k runs beside the adaptive drafters."""
