@@ -53,7 +53,7 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str |
     if device.type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 256 \
             and native_kernels() is not None:
         return "native"
-    if device.type == "cuda" and head_dim in (64, 128, 256):
+    if device.type == "cuda" and head_dim in (16, 32, 64, 128, 256):  # (tl.dot: powers of two from 16)
         from draftwise.cache import triton_attention  # (Triton only where there is a GPU: ~70 MB resident)
         if triton_attention.available():
             return "triton"

@@ -50,7 +50,7 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        first = 0
+        first = position * 0  # (position's integer type: the window branch may not change it)
         if window > 0:  # a sliding window: keys position - window + 1 .. position
             first = tl.maximum(position - window + 1, 0)
         for start in range(first // BLOCK * BLOCK, position + 1, BLOCK):  # (blocks aligned the same for every query)
@@ -66,13 +66,13 @@ if triton is not None:
             kv_offsets = slots[:, None] * stride_kv_s + g * stride_kv_h + dims[None, :]  # [N, D]
             k = tl.load(k_ptr + kv_offsets, mask=visible[:, None], other=0.0)
             v = tl.load(v_ptr + kv_offsets, mask=visible[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [G, N]
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N] (float32 caches: no TF32)
             scores = tl.where(visible[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             weights = tl.exp(scores - m_new[:, None])
             rescale = tl.exp(m - m_new)
             total = total * rescale + tl.sum(weights, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
             m = m_new
         out = acc / total[:, None]
         tl.store(out_ptr + n * stride_q_n + heads[:, None] * stride_q_h + dims[None, :],
