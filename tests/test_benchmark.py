@@ -450,6 +450,17 @@ def test_prefix_cache_suite_times_first_tokens_with_caching_off_and_on(settings,
     assert all(f["equal"] == 3 for f in figures.values())
 
 
+def test_prefill_suite_times_prompts_with_the_prompt_kernels_off_and_on(settings, structured_data):
+    report = run_suite("prefill", replace(settings, per_category=1, max_tokens=2, max_model_len=512))
+    figures = report.data["figures"]
+    assert report.data["lengths"] == ["150 tokens", "400 tokens"]  # (800 and 1,600 do not fit 512)
+    assert list(figures) == ["prompt kernels off", "prompt kernels on", "prompt kernels off (control)"]
+    assert figures["prompt kernels off"]["vs_baseline"] == {"150 tokens": 1.0, "400 tokens": 1.0}
+    assert all(speed > 0 for f in figures.values() for speed in f["prefill_tokens_per_second"].values())
+    assert figures["prompt kernels on"]["equal"] == 2  # (the tiny float model has no prompt kernels)
+    assert "| prompt kernels on |" in report.markdown and "AMX tiles on this machine" in report.markdown
+
+
 def test_processors_suite_compares_speculation_with_penalties_and_logprobs(settings, structured_data, fast_profiles):
     report = run_suite("processors", replace(settings, datasets=("humaneval",), per_category=2, max_tokens=8,
                                              configs=("draft:k=3",)))

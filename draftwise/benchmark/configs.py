@@ -88,6 +88,7 @@ class LLMRecipe:
     native_layers: bool = True  # False: decoder layers op by op from Python (the same kernels)
     superblock_kernels: bool = True  # False: GGUF Q4_K/Q6_K layers in int4/int8 strips, not their own super-blocks
     prefix_caching: bool = True  # LLM(enable_prefix_caching=...)
+    prompt_kernels: bool | None = None  # LLM(prompt_kernels=...)
 
     def build(self):
         from draftwise.llm import LLM
@@ -109,7 +110,7 @@ class LLMRecipe:
             try:
                 return LLM(self.model, speculative=self.speculative, quantization=self.quantization,
                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, progress=False,
-                           enable_prefix_caching=self.prefix_caching)
+                           enable_prefix_caching=self.prefix_caching, prompt_kernels=self.prompt_kernels)
             finally:
                 if overrides:  # in-process builds after this one get the path they ask for
                     native.kernels.cache_clear()

@@ -24,10 +24,14 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
                          help="decode and verification passes: auto = CUDA graphs on CUDA, eager on the CPU")
     command.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                          help="turn off automatic prefix caching (on by default, as in vLLM)")
+    command.add_argument("--prompt-kernels", default="auto", choices=["auto", "on", "off"],
+                         help="prompts on kernels of their own where the CPU has them (AMX): faster prefill, "
+                              "but the prefix cache then shares prompt blocks only; auto = on without prefix caching")
 
 
 def model_keywords(args: argparse.Namespace) -> dict:
     """The `LLM` keywords these flags set."""
     return dict(device=args.device, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
                 enforce_eager=args.enforce_eager, step_mode=args.step_mode,
-                enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
+                enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                prompt_kernels={"auto": None, "on": True, "off": False}[getattr(args, "prompt_kernels", "auto")])

@@ -105,15 +105,21 @@ class Engine:
         """The step proper: propose, verify in one target pass, commit, feed back."""
         self._draft_calls = {}
         self._grammar_seconds = 0.0
+        prompt = False  # whether the pass computes prompt tokens only (`model/prompt_pass.py`)
         if is_prefill:
-            batch[0].row = self.runner.allocate()
+            seq = batch[0]
+            seq.row = self.runner.allocate()
             # (a head reading the target's states, or a recorder, needs the whole prompt's)
-            if not reads_hidden(self.drafters, batch[0]) and self.recorder is None:
-                self.runner.share_prefix(batch[0].row, batch[0].token_ids)
+            if not reads_hidden(self.drafters, seq) and self.recorder is None:
+                self.runner.share_prefix(seq.row, self._shareable(seq))
+            if seq.output_ids:  # resumed after preemption: its prompt apart from what it generated
+                self._feed_prompt(seq)
+            else:
+                prompt = True
             drafts, skipped, forced = [Draft([])], [False], set()
         else:
             drafts, skipped, forced = self._propose(batch)
-        num_accepted = self._verify_and_commit(batch, drafts, skipped)
+        num_accepted = self._verify_and_commit(batch, drafts, skipped, prompt)
         if any(seq.grammar is not None for seq in batch):
             self.counters.constrained_steps += 1
             self.counters.grammar_seconds += self._grammar_seconds
@@ -220,7 +226,39 @@ class Engine:
                 seq.metrics.spec.record_plain()
         return drafts, skipped, set(forced)
 
-    def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool]) -> list[int]:
+    def _shareable(self, seq: Sequence) -> list[int]:
+        """The tokens whose cached blocks a sequence may share and offer: with prompt kernels its
+        prompt's only (a generated token is computed by the decoding kernels, and the same token in a
+        later prompt by the prompt kernels), else all it has committed."""
+        return seq.prompt_token_ids if self.runner.prompt_kernels else seq.token_ids
+
+    def _feed_prompt(self, seq: Sequence) -> None:
+        """A resumed request's prompt, what the cache lacks of it, in a prompt pass of its own (its
+        generated tokens follow in the step's pass, computed as when they were decoded)."""
+        held = self.runner.length(seq.row)
+        fed = seq.prompt_token_ids[held:]
+        if not fed:
+            return
+        capture = self._captured_layers([seq])
+        result = self.runner.forward([seq.row], [fed], [1], capture_layers=capture, prompt=True)
+        if capture:
+            self._hand_states([seq], [held], result.hidden, [torch.arange(len(fed))])
+
+    def _captured_layers(self, batch: list[Sequence]) -> tuple[int, ...]:
+        capture = hidden_layers(self.drafters, batch)
+        if self.recorder is not None:
+            capture = tuple(sorted(set(capture) | set(self.recorder.layers)))
+        return capture
+
+    def _hand_states(self, batch: list[Sequence], starts: list[int], hidden: dict[int, torch.Tensor],
+                     kept: list[torch.Tensor]) -> None:
+        """The hidden states of each row's committed fed tokens to the drafters that read them and the recorder."""
+        hand_hidden(self.drafters, batch, hidden, kept)
+        if self.recorder is not None:
+            self.recorder.record(batch, starts, hidden, kept)
+
+    def _verify_and_commit(self, batch: list[Sequence], drafts: list[Draft], skipped: list[bool],
+                           prompt: bool = False) -> list[int]:
         start = time.perf_counter()
         rows = [seq.row for seq in batch]
         lengths = [self.runner.length(row) for row in rows]
@@ -232,12 +270,10 @@ class Engine:
         trees = [b for b, d in enumerate(drafts) if d.parents is not None and d.token_ids and not skipped[b]]
         parents = [_fed_parents(len(pending[b]), drafts[b].parents) if b in trees else None
                    for b in range(len(batch))] if trees else None
-        capture = hidden_layers(self.drafters, batch)
-        if self.recorder is not None:
-            capture = tuple(sorted(set(capture) | set(self.recorder.layers)))
+        capture = self._captured_layers(batch)
         masks = self._on_grammar(PendingMasks, batch, drafts, self.runner.model.config.vocab_size)  # beside the pass
         result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
-                                     parents=parents, capture_layers=capture)
+                                     parents=parents, capture_layers=capture, prompt=prompt)
         width = max(num_draft)
         raw_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
         target_logits = self._on_grammar(masks.apply, raw_logits)  # (constrained rows masked)
@@ -258,9 +294,7 @@ class Engine:
         self._target_pass = (self.runner.pass_tokens(list(map(len, new_tokens))), elapsed)  # (what the pass computed)
         if capture:  # the hidden states at every fed token that stays committed
             kept = kept_positions(result.cu_num_tokens, list(map(len, pending)), num_accepted, paths)
-            hand_hidden(self.drafters, batch, result.hidden, kept)
-            if self.recorder is not None:
-                self.recorder.record(batch, lengths, result.hidden, kept)
+            self._hand_states(batch, lengths, result.hidden, kept)
         for b, (seq, tokens, accepted, drafted, skip, draft) in enumerate(zip(batch, output_ids, num_accepted,
                                                                               num_draft, skipped, drafts)):
             committed = seq.append(tokens[:accepted + 1])
@@ -270,7 +304,7 @@ class Engine:
             self._on_grammar(after_commit, seq)
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
-            self.runner.register_prefix(seq.row, seq.token_ids)
+            self.runner.register_prefix(seq.row, self._shareable(seq))
             if not skip:
                 seq.metrics.spec.record(drafted, accepted, draft.depth())
             if drafted:

@@ -22,6 +22,7 @@ from draftwise.quant import native as quant_native
 # family -> (module, the cached function that builds and loads it, its builds)
 FAMILIES = {
     "lowbit": (quant_native.__name__, "kernels", quant_native.BUILDS),
+    "amx_prompt": (quant_native.__name__, "amx_kernels", quant_native.AMX_BUILDS),  # (AMX CPUs only)
     "attention": (attention_backend.__name__, "native_kernels", attention_backend.BUILDS),
     "layer_ops": (native_layer_ops.__name__, "layer_ops", native_layer_ops.BUILDS),
     "decoder_layer": (native_decoder.__name__, "decoder_module", native_decoder.BUILDS),

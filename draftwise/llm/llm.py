@@ -64,6 +64,7 @@ class LLM:
         step_mode: str | None = "auto",
         adaptive_threads: bool = True,
         enable_prefix_caching: bool = True,
+        prompt_kernels: bool | None = None,
         progress: bool = True,
     ) -> None:
         """enforce_eager (vLLM's name): every pass op by op, no CUDA graph or compiled step. step_mode:
@@ -72,14 +73,19 @@ class LLM:
         adaptive_threads: on the CPU, drop to one thread while that runs faster (a machine shared with
         busy processes; `engine.thread_governor`), where the model's bits do not depend on the count.
         enable_prefix_caching (vLLM's name): requests that start with tokens an earlier one committed
-        share that one's KV blocks and compute only the rest."""
+        share that one's KV blocks and compute only the rest. prompt_kernels: prompts computed by
+        kernels of their own where the CPU has them (AMX tiles: prefill 1.2-1.6x faster, BENCHMARKS.md),
+        generated tokens by the decoding kernels, so that outputs stay independent of batching
+        (`model/prompt_pass.py`); the prefix cache then shares blocks of prompt tokens only, not a
+        previous answer a follow-up repeats. None (default): on where the prefix cache is off."""
         for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                             ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
             raise InvalidParameterError(f"kv_cache_memory_bytes must be a positive integer, got {kv_cache_memory_bytes!r}")
-        for name, value in (("adaptive_threads", adaptive_threads), ("enable_prefix_caching", enable_prefix_caching)):
+        for name, value in (("adaptive_threads", adaptive_threads), ("enable_prefix_caching", enable_prefix_caching),
+                            ("prompt_kernels", enable_prefix_caching if prompt_kernels is None else prompt_kernels)):
             if not isinstance(value, bool):
                 raise InvalidParameterError(f"{name} must be true or false, got {value!r}")
         if not isinstance(enforce_eager, bool):
@@ -101,6 +107,7 @@ class LLM:
             raise ModelFormatError(
                 f"{self.model_folder}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
                 f"embedding only {self.model.config.vocab_size}")
+        self.model.prompt_kernels = not enable_prefix_caching if prompt_kernels is None else prompt_kernels
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         num_blocks = None

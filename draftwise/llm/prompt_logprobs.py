@@ -17,7 +17,7 @@ def prompt_logprobs(model, token_ids: list[int], top: int) -> list[dict[int, Log
     device = model.norm.weight.device
     tokens = torch.tensor([token_ids], device=device)  # [1, S]
     positions = torch.arange(len(token_ids), device=device)[None]  # [1, S]
-    hidden, _ = model.hidden_states(tokens, positions)  # [1, S, H]
+    hidden, _ = model.hidden_states(tokens, positions, prompt=True)  # [1, S, H] (as the request's prefill computes it)
     result: list[dict[int, Logprob] | None] = [None]
     for start in range(0, len(token_ids) - 1, CHUNK):
         stop = min(start + CHUNK, len(token_ids) - 1)

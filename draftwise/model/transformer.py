@@ -17,6 +17,7 @@ from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import RMSNorm, SwiGLU
 from draftwise.model import native_decoder
+from draftwise.model.prompt_pass import prompt_pass
 from draftwise.model.moe import SparseMoE
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
@@ -77,6 +78,7 @@ class Transformer(nn.Module):
                          for i in range(config.num_hidden_layers)]
         self._native_built: dict[int, tuple[tuple, object]] = {}  # layer index -> (built from, native layer or None)
         self.native_layers = native_decoder.wanted()  # False: every layer in Python (to compare the two)
+        self._prompt_kernels = False  # prompts take the layers' prompt kernels (`prompt_pass.py`; set by its LLM)
 
     def _apply(self, fn, recurse=True):  # (.to(), .float(), ...: the native layers hold the old tensors)
         self._native_built.clear()
@@ -114,19 +116,40 @@ class Transformer(nn.Module):
         *,
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
+        prompt: bool = False,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run the first `num_layers` layers (all by default).
+        """Run the first `num_layers` layers (all by default). prompt: every token fed is a prompt's
+        (computed by the layers' prompt kernels where they have them: `prompt_pass.py`).
 
         Returns the residual stream after the last layer run [B, S, H] (before the final norm) and
         the residual stream after each layer in `capture_layers` (0-based), also [B, S, H].
         """
+        if prompt and self._prompt_kernels:
+            with prompt_pass():  # (the Python layers: a native layer calls the decoding kernels)
+                return self._layers(token_ids, positions, cache, num_layers, capture_layers, native=False)
+        return self._layers(token_ids, positions, cache, num_layers, capture_layers, native=True)
+
+    @property
+    def prompt_kernels(self) -> bool:
+        """Whether prompt tokens are computed by kernels of their own (`prompt_pass.py`)."""
+        return self._prompt_kernels
+
+    @prompt_kernels.setter
+    def prompt_kernels(self, wanted: bool) -> None:
+        """Asked for (by the LLM, once its layers are quantized): on where some layer has a prompt kernel."""
+        self._prompt_kernels = wanted and any(getattr(module, "has_prompt_kernel", False)
+                                              for module in self.layers.modules())
+
+    def _layers(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCacheView | None,
+                num_layers: int | None, capture_layers: tuple[int, ...],
+                native: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         x = self.embed_tokens(token_ids)  # [B, S, H]
         if self.config.embedding_multiplier != 1.0:
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         rotations = {False: self.rotary(positions, x.dtype)}
         if any(self._local_rope):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
-        native_pass = self._native_pass(cache, x)
+        native_pass = self._native_pass(cache, x) if native else None
         captured: dict[int, torch.Tensor] = {}
         for index in range(len(self.layers) if num_layers is None else min(num_layers, len(self.layers))):
             layer = self.layers[index]  # (not a slice: slicing a ModuleList builds a new one, every pass)

@@ -76,9 +76,10 @@ def make_plan(options: PlanOptions, progress=print) -> Plan:
 def _make_plan(options: PlanOptions, progress) -> Plan:
     # each drafter is installed when its acceptance is measured (loading the draft model once). No
     # prefix caching: the plan runs the same sample again and again, which would find its prompts
-    # cached where the traffic it stands for would not (the prefills timed would be the cache's).
+    # cached where the traffic it stands for would not (the prefills timed would be the cache's). Prompts
+    # on the kernels a default server computes them with (with prefix caching: the decoding ones).
     llm = LLM(options.model, max_num_seqs=max(options.validate_max_concurrency, 1), progress=False,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, prompt_kernels=False)
     items = read_traffic(options.traffic, llm.tokenizer, sample=options.sample, max_tokens=options.max_tokens,
                          seed=options.seed, segment_field=options.segment_field)
     for entry in options.drafters:  # a missing or mismatched draft model fails before any run

@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from draftwise.model.native_decoder import NativeLinear
+from draftwise.model.prompt_pass import in_prompt_pass
 from draftwise.quant import native_ops
 from draftwise.quant.activation_choice import int8_activations
-from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels
+from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels, prompt_kernels
 from draftwise.quant.superblock_strips import (SUPER, kernel_available, pack_q4k_strips, rows_of_strips, strip_nibbles,
                                                unpack_q4k_strips, unstrip_nibbles)
 
@@ -88,6 +89,11 @@ class Int4Linear(nn.Module):
     def int8_activations(self) -> bool:
         return self.layout in (Q4K_STRIPS, STRIPS)
 
+    @property
+    def has_prompt_kernel(self) -> bool:
+        """Whether prompt tokens take a kernel of their own here (`model/prompt_pass.py`)."""
+        return self.layout == Q4K_STRIPS and prompt_kernels() is not None
+
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int4Linear":
         """Rebuild a layer from `packed_state()` (the packed-weight cache), without repacking where the
@@ -121,7 +127,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
-            if self.layout == Q4K_STRIPS:
+            if self.layout == Q4K_STRIPS and in_prompt_pass() and self.has_prompt_kernel:
+                out = prompt_kernels().q4k_matmul_amx(flat, self.q4k_strips, self.out_features)  # [M, N] float32
+            elif self.layout == Q4K_STRIPS:
                 out = native_ops.q4k_q8(flat, self.q4k_strips, self.out_features)  # [M, N] float32
             else:
                 out = native_ops.int4_q8(flat, self.strips, self.out_features)  # [M, N] float32

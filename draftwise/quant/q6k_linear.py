@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from draftwise.model.native_decoder import NativeLinear
+from draftwise.model.prompt_pass import in_prompt_pass
 from draftwise.quant import native_ops
 from draftwise.quant.linear import detached, float_bias
-from draftwise.quant.native import kernels as native_kernels
+from draftwise.quant.native import kernels as native_kernels, prompt_kernels
 from draftwise.quant.superblock_strips import (SUPER, kernel_available, pack_q6k_strips, rows_of_strips,
                                                unpack_q6k_strips)
 
@@ -44,9 +45,17 @@ class Q6KLinear(nn.Module):
     def packed_state(self) -> dict[str, torch.Tensor]:
         return {"q6k_strips": self.strips, "shape": torch.tensor([self.out_features, self.in_features])}
 
+    @property
+    def has_prompt_kernel(self) -> bool:
+        """Whether prompt tokens take a kernel of their own here (`model/prompt_pass.py`)."""
+        return prompt_kernels() is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
-        out = native_ops.q6k_q8(flat, self.strips, self.out_features).to(x.dtype)  # [M, N]
+        if in_prompt_pass() and self.has_prompt_kernel:
+            out = prompt_kernels().q6k_matmul_amx(flat, self.strips, self.out_features).to(x.dtype)  # [M, N]
+        else:
+            out = native_ops.q6k_q8(flat, self.strips, self.out_features).to(x.dtype)  # [M, N]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)

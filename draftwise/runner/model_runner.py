@@ -88,6 +88,12 @@ class ModelRunner:
         returns how many tokens it holds (0 without prefix caching)."""
         return self.blocks.share_prefix(handle, token_ids)
 
+    @property
+    def prompt_kernels(self) -> bool:
+        """Whether prompt tokens are computed by kernels of their own (`model/prompt_pass.py`), so
+        that only blocks of prompt tokens may be shared."""
+        return self.model.prompt_kernels
+
     def register_prefix(self, handle: int, token_ids: list[int]) -> None:
         """The sequence's full blocks of committed tokens become shareable."""
         self.blocks.register(handle, token_ids)
@@ -103,8 +109,10 @@ class ModelRunner:
         num_layers: int | None = None,
         capture_layers: tuple[int, ...] = (),
         parents: list[list[int] | None] | None = None,
+        prompt: bool = False,
     ) -> ForwardResult:
         """Append token_ids[b] to sequence rows[b] and return logits for its last num_logits[b] tokens.
+        prompt: every token fed is a prompt's (`model/prompt_pass.py`: computed by prompt kernels).
 
         parents[b] (None: a chain) makes row b's new tokens a token tree (`draftwise.cache.token_tree`):
         each attends the cached tokens and its ancestors only. They are stored one after another;
@@ -128,7 +136,8 @@ class ModelRunner:
                 and self.static_step.fits(len(rows), width):
             result = self._static_forward(rows, token_ids, lengths, num_logits, parents)
         else:
-            result = self._eager_forward(rows, token_ids, lengths, num_logits, num_layers, capture_layers, parents)
+            result = self._eager_forward(rows, token_ids, lengths, num_logits, num_layers, capture_layers, parents,
+                                         prompt)
         for row, length, count in zip(rows, lengths, counts):
             self.blocks.set_length(row, length + count)
         return result
@@ -170,7 +179,7 @@ class ModelRunner:
 
     def _eager_forward(self, rows: list[int], token_ids: list[list[int]], lengths: list[int],
                        num_logits: list[int], num_layers: int | None, capture_layers: tuple[int, ...],
-                       parents: list[list[int] | None] | None) -> ForwardResult:
+                       parents: list[list[int] | None] | None, prompt: bool = False) -> ForwardResult:
         """Packed ([1, N]: rows' tokens one after another, N = sum of counts) where the cache's
         attention is a kernel that reads each query's row; padded to the widest row ([B, S]) on the
         SDPA paths. Either way each token's arithmetic is the same (the kernels are row-independent)."""
@@ -202,7 +211,7 @@ class ModelRunner:
             starts = [b * width for b in range(len(rows))]
         view = self.cache.view(rows, positions, valid, kv_length, paths)
         hidden, captured = self.model.hidden_states(token_tensor, position_tensor, view, num_layers=num_layers,
-                                                    capture_layers=capture_layers)
+                                                    capture_layers=capture_layers, prompt=prompt)
 
         # Gather only the positions whose logits were asked for: the LM head is the costliest matmul.
         picked = hidden.flatten(0, 1)[[starts[b] + counts[b] - n + i for b, n in enumerate(num_logits)

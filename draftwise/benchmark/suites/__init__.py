@@ -26,6 +26,7 @@ SUITES = {
     "gpu": ("gpu", "one device (--device cuda): step at 1-64 rows vs the bound, verify curve, self-drafting, costs"),
     "structured": ("structured", "constrained plain vs constrained speculative (schemas, tool calls), batch 1 and 8"),
     "grammar-engines": ("grammar_engines", "llguidance vs xgrammar: compile time, mask time, JSON Schema coverage"),
+    "prefill": ("prefill", "prompts of 150-1,600 tokens with the prompt kernels (AMX) off and on: prefill speed"),
     "prefix-cache": ("prefix_cache", "a shared system prompt with prefix caching off and on: time to first token"),
     "processors": ("processors", "speculation with penalties on and off; logprobs against plain decoding's"),
     "replicas": ("replicas", "serve --replicas on Ray Serve: 2 x 1 thread vs 1 x 1 throughput; affinity vs random routing"),
