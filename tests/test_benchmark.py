@@ -451,13 +451,14 @@ def test_prefix_cache_suite_times_first_tokens_with_caching_off_and_on(settings,
 
 
 def test_prefill_suite_times_prompts_with_the_prompt_kernels_off_and_on(settings, structured_data):
-    report = run_suite("prefill", replace(settings, per_category=1, max_tokens=2, max_model_len=512))
+    report = run_suite("prefill", replace(settings, per_category=1, max_tokens=2, max_model_len=512, eval_tokens=200))
     figures = report.data["figures"]
     assert report.data["lengths"] == ["150 tokens", "400 tokens"]  # (800 and 1,600 do not fit 512)
     assert list(figures) == ["prompt kernels off", "prompt kernels on", "prompt kernels off (control)"]
     assert figures["prompt kernels off"]["vs_baseline"] == {"150 tokens": 1.0, "400 tokens": 1.0}
     assert all(speed > 0 for f in figures.values() for speed in f["prefill_tokens_per_second"].values())
     assert figures["prompt kernels on"]["equal"] == 2  # (the tiny float model has no prompt kernels)
+    assert figures["prompt kernels on"]["top1_as_baseline"] == 1.0 and figures["prompt kernels on"]["perplexity"] > 1
     assert "| prompt kernels on |" in report.markdown and "AMX tiles on this machine" in report.markdown
 
 

@@ -96,6 +96,7 @@ class TeacherForced:
     text: str
     num_tokens: int = 1536
     window: int = 512
+    prompt: bool = False  # the windows computed as prompts are (`model/prompt_pass.py`: the config's prompt kernels)
 
     def measure(self, config) -> dict:
         import torch
@@ -106,7 +107,9 @@ class TeacherForced:
         with torch.inference_mode():
             for start in range(0, len(ids) - 1, self.window):
                 window = ids[start:start + self.window + 1]
-                logits = model(torch.tensor([window[:-1]]), torch.arange(len(window) - 1)[None])[0]
+                hidden, _ = model.hidden_states(torch.tensor([window[:-1]]), torch.arange(len(window) - 1)[None],
+                                                prompt=self.prompt)
+                logits = model.logits(hidden)[0]
                 rows.append(logits.float().log_softmax(-1))
         logprobs = torch.cat(rows)
         targets = torch.tensor(ids[1:])
