@@ -42,7 +42,10 @@
 //                     float* scratch, float* out);
 // one query over its row's keys first..first + last (key index t = 0..last is key position first + t)
 // for the `group` heads sharing kv head `kv_head` (their q rows consecutive), scratch holding
-// group x (last + 1 rounded up to 16) scores and group x d sums.
+// group x (last + 1 rounded up to 16) scores and group x d sums; and
+//   void attend_tile(int64_t count, const float* const q[kTile], const int64_t position[kTile], ...);
+// up to kTile queries of one row (no window, no tree) with attend_group's bits for each, scratch kTile
+// times as large.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -87,13 +90,40 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   }
   TORCH_CHECK(group <= 64, "paged_attention: at most 64 query heads per kv head");
   TORCH_CHECK(window >= 0, "paged_attention: a negative window");
-  at::parallel_for(0, num_queries * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(group * ((table_width + 15) / 16 * 16 + d));
+  // Tiles: up to kTile consecutive queries of one row (a prompt, a verification) read each block of
+  // keys once for all (chains without a window; others one query a tile). Every query's arithmetic is
+  // its own alone either way, so a query's result never depends on the tile it lands in.
+  std::vector<int64_t> tile_starts;
+  for (int64_t n = 0; n < num_queries;) {
+    tile_starts.push_back(n);
+    int64_t count = 1;
+    while (!tree && window == 0 && count < kTile && n + count < num_queries && row_ptr[n + count] == row_ptr[n]) ++count;
+    n += count;
+  }
+  tile_starts.push_back(num_queries);
+  const int64_t tiles = static_cast<int64_t>(tile_starts.size()) - 1;
+  at::parallel_for(0, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kTile * group * ((table_width + 15) / 16 * 16 + d));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / num_kv_heads, g = task % num_kv_heads;
-      const int64_t first_head = n * num_heads + g * group;
+      const int64_t tile = task / num_kv_heads, g = task % num_kv_heads;
+      const int64_t n0 = tile_starts[tile], count = tile_starts[tile + 1] - n0;
+      const int64_t* table = table_ptr + row_ptr[n0] * block_tables.size(1);
+      if (count > 1) {
+        const float* qs[kTile];
+        float* outs[kTile];
+        int64_t last[kTile];
+        for (int64_t i = 0; i < count; ++i) {
+          qs[i] = q_ptr + ((n0 + i) * num_heads + g * group) * d;
+          outs[i] = out_ptr + ((n0 + i) * num_heads + g * group) * d;
+          last[i] = pos_ptr[n0 + i];
+        }
+        attend_tile(count, qs, last, k_ptr, v_ptr, table, block_size, g, num_kv_heads, group, d,
+                    static_cast<float>(scale), scratch.data(), outs);
+        continue;
+      }
+      const int64_t n = n0, first_head = n * num_heads + g * group;
       const int64_t first = window > 0 && pos_ptr[n] >= window ? pos_ptr[n] - window + 1 : 0;
-      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table_ptr + row_ptr[n] * block_tables.size(1), block_size,
+      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table, block_size,
                    first, pos_ptr[n] - first, tree ? path_ptr + n * path_width : nullptr, tree ? start_ptr[n] : 0, g, num_kv_heads,
                    group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
     }

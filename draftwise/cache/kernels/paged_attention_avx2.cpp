@@ -121,13 +121,15 @@ void attend_group(const float* q, const float* keys, const float* values, const 
   const int64_t chunks = d / kLanes;
   for (int64_t i = 0; i < group * d; ++i) acc_store[i] = 0.0f;
   __m256 acc[32];  // head_dim up to 256
+  const float* rows[kLanes];  // the block's value rows, looked up once for every head
   for (int64_t t = 0; t <= position; t += kLanes) {  // each output lane accumulates over t in order
     const int64_t end = t + kLanes <= position + 1 ? t + kLanes : position + 1;
+    for (int64_t u = t; u < end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
     for (int64_t h = 0; h < group; ++h) {
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_loadu_ps(acc_store + h * d + kLanes * c);
       for (int64_t u = t; u < end; ++u) {
         const __m256 weight = _mm256_set1_ps(scores[h * width + u]);
-        const float* v = values + slot(u) * stride + kv_head * d;
+        const float* v = rows[u - t];
         for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + kLanes * c), acc[c]);
       }
       for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(acc_store + h * d + kLanes * c, acc[c]);
@@ -139,6 +141,18 @@ void attend_group(const float* q, const float* keys, const float* values, const 
       _mm256_storeu_ps(out + h * d + kLanes * c, _mm256_div_ps(_mm256_loadu_ps(acc_store + h * d + kLanes * c), norm));
     }
   }
+}
+
+// Up to kTile queries of one row (no window, no tree): here each alone (the tiled form, which reads
+// each block of keys once for all of them, is the AVX-512 build's; both compute attend_group's bits).
+constexpr int64_t kTile = 4;
+
+void attend_tile(int64_t count, const float* const q[kTile], const int64_t position[kTile], const float* keys,
+                 const float* values, const int64_t* blocks, int64_t block_size, int64_t kv_head, int64_t num_kv_heads,
+                 int64_t group, int64_t d, float scale, float* scratch, float* const out[kTile]) {
+  for (int64_t i = 0; i < count; ++i)
+    attend_group(q[i], keys, values, blocks, block_size, 0, position[i], nullptr, 0, kv_head, num_kv_heads, group, d,
+                 scale, scratch, out[i]);
 }
 
 }  // namespace

@@ -113,13 +113,15 @@ void attend_group(const float* q, const float* keys, const float* values, const 
   const int64_t chunks = d / 16;
   for (int64_t i = 0; i < group * d; ++i) acc_store[i] = 0.0f;
   __m512 acc[16];  // head_dim up to 256
+  const float* rows[16];  // the block's value rows, looked up once for every head
   for (int64_t t = 0; t <= position; t += 16) {  // each output lane accumulates over t in order
     const int64_t end = t + 16 <= position + 1 ? t + 16 : position + 1;
+    for (int64_t u = t; u < end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
     for (int64_t h = 0; h < group; ++h) {
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store + h * d + 16 * c);
       for (int64_t u = t; u < end; ++u) {
         const __m512 weight = _mm512_set1_ps(scores[h * width + u]);
-        const float* v = values + slot(u) * stride + kv_head * d;
+        const float* v = rows[u - t];
         for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
       }
       for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc_store + h * d + 16 * c, acc[c]);
@@ -129,6 +131,89 @@ void attend_group(const float* q, const float* keys, const float* values, const 
     const __m512 norm = _mm512_set1_ps(totals[h]);
     for (int64_t c = 0; c < chunks; ++c) {
       _mm512_storeu_ps(out + h * d + 16 * c, _mm512_div_ps(_mm512_loadu_ps(acc_store + h * d + 16 * c), norm));
+    }
+  }
+}
+
+// Up to kTile queries of one row (no window, no tree) over their keys, for the `group` heads of kv head
+// `kv_head`: each block of 16 keys and of 16 values is looked up and read once for all of them, and
+// each query's arithmetic, and its order, is exactly attend_group's for that query alone (the key
+// pointers past a query's position point at valid keys; their lanes are masked as attend_group's are).
+constexpr int64_t kTile = 4;
+
+void attend_tile(int64_t count, const float* const q[kTile], const int64_t position[kTile], const float* keys,
+                 const float* values, const int64_t* blocks, int64_t block_size, int64_t kv_head, int64_t num_kv_heads,
+                 int64_t group, int64_t d, float scale, float* scratch, float* const out[kTile]) {
+  auto slot = [&](int64_t t) { return blocks[t / block_size] * block_size + t % block_size; };
+  int64_t last = 0;  // the tile's last key index
+  for (int64_t i = 0; i < count; ++i) last = position[i] > last ? position[i] : last;
+  const int64_t stride = num_kv_heads * d;
+  const int64_t width = (last + 16) / 16 * 16;
+  float* scores[kTile];  // per query [group, width], then its sums [group, d]
+  float* acc_store[kTile];
+  for (int64_t i = 0; i < count; ++i) {
+    scores[i] = scratch + i * group * (width + d);
+    acc_store[i] = scores[i] + group * width;
+  }
+  const float* block[16];
+  __m512 maxima[kTile][64];
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t h = 0; h < group; ++h) maxima[i][h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t <= last; t += 16) {
+    const int64_t tile_left = last + 1 - t;
+    for (int j = 0; j < 16; ++j) block[j] = keys + slot(t + (j < tile_left ? j : tile_left - 1)) * stride + kv_head * d;
+    for (int64_t i = 0; i < count; ++i) {
+      if (t > position[i]) continue;
+      const __mmask16 lanes = first_lanes(position[i] + 1 - t);
+      for (int64_t h = 0; h < group; ++h) {
+        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale), dots16(q[i] + h * d, block, d));
+        _mm512_mask_storeu_ps(scores[i] + h * width + t, lanes, s);
+        maxima[i][h] = _mm512_mask_max_ps(maxima[i][h], lanes, maxima[i][h], s);
+      }
+    }
+  }
+  float totals[kTile][64];
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t h = 0; h < group; ++h) {
+      const __m512 max_vec = _mm512_set1_ps(_mm512_reduce_max_ps(maxima[i][h]));
+      __m512 sums = _mm512_setzero_ps();
+      for (int64_t t = 0; t <= position[i]; t += 16) {
+        const __mmask16 lanes = first_lanes(position[i] + 1 - t);
+        float* row = scores[i] + h * width + t;
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row), max_vec));
+        _mm512_mask_storeu_ps(row, lanes, e);
+        sums = _mm512_mask_add_ps(sums, lanes, sums, e);
+      }
+      totals[i][h] = _mm512_reduce_add_ps(sums);
+    }
+    for (int64_t j = 0; j < group * d; ++j) acc_store[i][j] = 0.0f;
+  }
+  const int64_t chunks = d / 16;
+  __m512 acc[16];  // head_dim up to 256
+  const float* rows[16];
+  for (int64_t t = 0; t <= last; t += 16) {
+    const int64_t tile_end = t + 16 <= last + 1 ? t + 16 : last + 1;
+    for (int64_t u = t; u < tile_end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
+    for (int64_t i = 0; i < count; ++i) {
+      if (t > position[i]) continue;
+      const int64_t end = t + 16 <= position[i] + 1 ? t + 16 : position[i] + 1;
+      for (int64_t h = 0; h < group; ++h) {
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store[i] + h * d + 16 * c);
+        for (int64_t u = t; u < end; ++u) {
+          const __m512 weight = _mm512_set1_ps(scores[i][h * width + u]);
+          const float* v = rows[u - t];
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        }
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc_store[i] + h * d + 16 * c, acc[c]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t h = 0; h < group; ++h) {
+      const __m512 norm = _mm512_set1_ps(totals[i][h]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _mm512_storeu_ps(out[i] + h * d + 16 * c, _mm512_div_ps(_mm512_loadu_ps(acc_store[i] + h * d + 16 * c), norm));
+      }
     }
   }
 }
