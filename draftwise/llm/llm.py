@@ -74,7 +74,7 @@ class LLM:
         busy processes; `engine.thread_governor`), where the model's bits do not depend on the count.
         enable_prefix_caching (vLLM's name): requests that start with tokens an earlier one committed
         share that one's KV blocks and compute only the rest. prompt_kernels: prompts computed by
-        kernels of their own where the CPU has them (AMX tiles: prefill 1.2-1.6x faster, BENCHMARKS.md),
+        kernels of their own where the CPU has them (AMX tiles: prefill 1.15-1.5x faster, BENCHMARKS.md),
         generated tokens by the decoding kernels, so that outputs stay independent of batching
         (`model/prompt_pass.py`); the prefix cache then shares blocks of prompt tokens only, not a
         previous answer a follow-up repeats. None (default): on where the prefix cache is off."""
