@@ -138,7 +138,7 @@ void dequantize_q6k(const uint8_t* strip, int64_t k, uint16_t* out) {
   }
 }
 
-// out[rows, 16 S channels from strip0] += nothing: computed afresh from the S dequantized strips
+// out[rows, 16 S channels from strip0] (written, not added to) from the S dequantized strips
 template <int S>
 void strips_times_rows(const uint16_t* dequantized, const uint16_t* x, int64_t m_padded, int64_t m, int64_t k,
                        int64_t strip0, int64_t n, float* out) {
