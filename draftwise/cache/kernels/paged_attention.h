@@ -35,17 +35,15 @@
 
 // This file is the entry point every build shares (argument checks; one task per query and kv head,
 // split across threads; the Python binding). A build (paged_attention_avx512.cpp,
-// paged_attention_avx2.cpp) defines, in an anonymous namespace, before including it:
-//   void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks,
-//                     int64_t block_size, int64_t first, int64_t last, const int64_t* path, int64_t path_start,
-//                     int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
-//                     float* scratch, float* out);
-// one query over its row's keys first..first + last (key index t = 0..last is key position first + t)
-// for the `group` heads sharing kv head `kv_head` (their q rows consecutive), scratch holding
-// group x (last + 1 rounded up to 16) scores and group x d sums; and
-//   void attend_tile(int64_t count, const float* const q[kTile], const int64_t position[kTile], ...);
-// up to kTile queries of one row (no window, no tree) with attend_group's bits for each, scratch kTile
-// times as large.
+// paged_attention_avx2.cpp) defines, in an anonymous namespace, before including it, kTile and
+//   void attend_tile(int64_t count, const float* const q[kTile], const int64_t last[kTile], const float* keys,
+//                    const float* values, const int64_t* blocks, int64_t block_size, int64_t first,
+//                    const int64_t* path, int64_t path_start, int64_t kv_head, int64_t num_kv_heads,
+//                    int64_t group, int64_t d, float scale, float* scratch, float* const out[kTile]);
+// up to kTile queries of one row, query i over the row's key indices 0..last[i] (key index t is key
+// position first + t, read through the tree path from path_start on), for the `group` heads sharing
+// kv head `kv_head` (their q rows consecutive), each with the bits it would have alone; scratch holds
+// kTile x group x ((largest last) + 1 rounded up to 16) scores and kTile x group x d sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -108,24 +106,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
       const int64_t tile = task / num_kv_heads, g = task % num_kv_heads;
       const int64_t n0 = tile_starts[tile], count = tile_starts[tile + 1] - n0;
       const int64_t* table = table_ptr + row_ptr[n0] * block_tables.size(1);
-      if (count > 1) {
-        const float* qs[kTile];
-        float* outs[kTile];
-        int64_t last[kTile];
-        for (int64_t i = 0; i < count; ++i) {
-          qs[i] = q_ptr + ((n0 + i) * num_heads + g * group) * d;
-          outs[i] = out_ptr + ((n0 + i) * num_heads + g * group) * d;
-          last[i] = pos_ptr[n0 + i];
-        }
-        attend_tile(count, qs, last, k_ptr, v_ptr, table, block_size, g, num_kv_heads, group, d,
-                    static_cast<float>(scale), scratch.data(), outs);
-        continue;
+      const float* qs[kTile];
+      float* outs[kTile];
+      int64_t last[kTile];
+      int64_t first = 0;  // (a tile of several queries has no window)
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t n = n0 + i;
+        qs[i] = q_ptr + (n * num_heads + g * group) * d;
+        outs[i] = out_ptr + (n * num_heads + g * group) * d;
+        first = window > 0 && pos_ptr[n] >= window ? pos_ptr[n] - window + 1 : 0;
+        last[i] = pos_ptr[n] - first;
       }
-      const int64_t n = n0, first_head = n * num_heads + g * group;
-      const int64_t first = window > 0 && pos_ptr[n] >= window ? pos_ptr[n] - window + 1 : 0;
-      attend_group(q_ptr + first_head * d, k_ptr, v_ptr, table, block_size,
-                   first, pos_ptr[n] - first, tree ? path_ptr + n * path_width : nullptr, tree ? start_ptr[n] : 0, g, num_kv_heads,
-                   group, d, static_cast<float>(scale), scratch.data(), out_ptr + first_head * d);
+      attend_tile(count, qs, last, k_ptr, v_ptr, table, block_size, first, tree ? path_ptr + n0 * path_width : nullptr,
+                  tree ? start_ptr[n0] : 0, g, num_kv_heads, group, d, static_cast<float>(scale), scratch.data(), outs);
     }
   });
   return out;

@@ -143,16 +143,17 @@ void attend_group(const float* q, const float* keys, const float* values, const 
   }
 }
 
-// Up to kTile queries of one row (no window, no tree): here each alone (the tiled form, which reads
-// each block of keys once for all of them, is the AVX-512 build's; both compute attend_group's bits).
+// Up to kTile queries of one row: here each alone (the tiled form, which reads each block of keys
+// once for all of them, is the AVX-512 build's; both compute each query's bits as if alone).
 constexpr int64_t kTile = 4;
 
-void attend_tile(int64_t count, const float* const q[kTile], const int64_t position[kTile], const float* keys,
-                 const float* values, const int64_t* blocks, int64_t block_size, int64_t kv_head, int64_t num_kv_heads,
-                 int64_t group, int64_t d, float scale, float* scratch, float* const out[kTile]) {
+void attend_tile(int64_t count, const float* const q[kTile], const int64_t last[kTile], const float* keys,
+                 const float* values, const int64_t* blocks, int64_t block_size, int64_t first, const int64_t* path,
+                 int64_t path_start, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
+                 float* scratch, float* const out[kTile]) {
   for (int64_t i = 0; i < count; ++i)
-    attend_group(q[i], keys, values, blocks, block_size, 0, position[i], nullptr, 0, kv_head, num_kv_heads, group, d,
-                 scale, scratch, out[i]);
+    attend_group(q[i], keys, values, blocks, block_size, first, last[i], path, path_start, kv_head, num_kv_heads, group,
+                 d, scale, scratch, out[i]);
 }
 
 }  // namespace

@@ -67,88 +67,31 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
 }
 
-// One query over its row's keys for the `group` heads sharing kv head `kv_head` (their q rows are
-// consecutive). The heads go through each block of 16 keys (and values) while it is in L1; each
-// head's arithmetic, and its order, is that of the head alone.
-void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks, int64_t block_size,
-                  int64_t first, int64_t position, const int64_t* path, int64_t path_start, int64_t kv_head,
-                  int64_t num_kv_heads,
-                  int64_t group, int64_t d, float scale, float* scratch, float* out) {
-  // `position` here is the last key index: key index t is key position first + t (a sliding window)
+// Up to kTile queries of one row over their keys, for the `group` heads sharing kv head `kv_head`
+// (each query's q rows consecutive): query i attends key indices 0..last[i], key index t being key
+// position first + t, read through the tree path from path_start on (one query a tile where there is
+// a window or a tree). Each block of 16 keys and of 16 values is looked up and read once for every
+// query and head while it is in L1; each query's and head's arithmetic, and its order, is that of
+// the query and head alone (the key pointers past a query's last index point at valid keys; their
+// lanes are masked), so a query's result never depends on the tile it lands in.
+// (Plain: key index t is key position t, no window or tree; the addressing alone differs.)
+constexpr int64_t kTile = 4;
+
+template <bool Plain>
+void attend_keys(int64_t count, const float* const q[kTile], const int64_t last[kTile], const float* keys,
+                 const float* values, const int64_t* blocks, int64_t block_size, int64_t first, const int64_t* path,
+                 int64_t path_start, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
+                 float* scratch, float* const out[kTile]) {
   auto slot = [&](int64_t t) {
+    if constexpr (Plain) return blocks[t / block_size] * block_size + t % block_size;
     const int64_t key = first + t;
     const int64_t stored = (path != nullptr && key >= path_start) ? path[key - path_start] : key;
     return blocks[stored / block_size] * block_size + stored % block_size;
   };
+  int64_t tile_last = 0;  // the tile's last key index
+  for (int64_t i = 0; i < count; ++i) tile_last = last[i] > tile_last ? last[i] : tile_last;
   const int64_t stride = num_kv_heads * d;  // between consecutive slots
-  const int64_t width = (position + 16) / 16 * 16;  // score slots per head
-  float* scores = scratch;  // [group, width]
-  float* acc_store = scratch + group * width;  // [group, d]
-  const float* block[16];
-  __m512 maxima[64];
-  for (int64_t h = 0; h < group; ++h) maxima[h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t <= position; t += 16) {  // 16 key positions at a time (past the position: ignored)
-    const int64_t left = position + 1 - t;
-    const __mmask16 lanes = first_lanes(left);
-    for (int j = 0; j < 16; ++j) block[j] = keys + slot(t + (j < left ? j : left - 1)) * stride + kv_head * d;
-    for (int64_t h = 0; h < group; ++h) {
-      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale), dots16(q + h * d, block, d));
-      _mm512_mask_storeu_ps(scores + h * width + t, lanes, s);
-      maxima[h] = _mm512_mask_max_ps(maxima[h], lanes, maxima[h], s);
-    }
-  }
-  float totals[64];
-  for (int64_t h = 0; h < group; ++h) {
-    const __m512 max_vec = _mm512_set1_ps(_mm512_reduce_max_ps(maxima[h]));
-    __m512 sums = _mm512_setzero_ps();
-    for (int64_t t = 0; t <= position; t += 16) {
-      const __mmask16 lanes = first_lanes(position + 1 - t);
-      float* row = scores + h * width + t;
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row), max_vec));
-      _mm512_mask_storeu_ps(row, lanes, e);
-      sums = _mm512_mask_add_ps(sums, lanes, sums, e);
-    }
-    totals[h] = _mm512_reduce_add_ps(sums);
-  }
-  const int64_t chunks = d / 16;
-  for (int64_t i = 0; i < group * d; ++i) acc_store[i] = 0.0f;
-  __m512 acc[16];  // head_dim up to 256
-  const float* rows[16];  // the block's value rows, looked up once for every head
-  for (int64_t t = 0; t <= position; t += 16) {  // each output lane accumulates over t in order
-    const int64_t end = t + 16 <= position + 1 ? t + 16 : position + 1;
-    for (int64_t u = t; u < end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
-    for (int64_t h = 0; h < group; ++h) {
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store + h * d + 16 * c);
-      for (int64_t u = t; u < end; ++u) {
-        const __m512 weight = _mm512_set1_ps(scores[h * width + u]);
-        const float* v = rows[u - t];
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(v + 16 * c), acc[c]);
-      }
-      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc_store + h * d + 16 * c, acc[c]);
-    }
-  }
-  for (int64_t h = 0; h < group; ++h) {
-    const __m512 norm = _mm512_set1_ps(totals[h]);
-    for (int64_t c = 0; c < chunks; ++c) {
-      _mm512_storeu_ps(out + h * d + 16 * c, _mm512_div_ps(_mm512_loadu_ps(acc_store + h * d + 16 * c), norm));
-    }
-  }
-}
-
-// Up to kTile queries of one row (no window, no tree) over their keys, for the `group` heads of kv head
-// `kv_head`: each block of 16 keys and of 16 values is looked up and read once for all of them, and
-// each query's arithmetic, and its order, is exactly attend_group's for that query alone (the key
-// pointers past a query's position point at valid keys; their lanes are masked as attend_group's are).
-constexpr int64_t kTile = 4;
-
-void attend_tile(int64_t count, const float* const q[kTile], const int64_t position[kTile], const float* keys,
-                 const float* values, const int64_t* blocks, int64_t block_size, int64_t kv_head, int64_t num_kv_heads,
-                 int64_t group, int64_t d, float scale, float* scratch, float* const out[kTile]) {
-  auto slot = [&](int64_t t) { return blocks[t / block_size] * block_size + t % block_size; };
-  int64_t last = 0;  // the tile's last key index
-  for (int64_t i = 0; i < count; ++i) last = position[i] > last ? position[i] : last;
-  const int64_t stride = num_kv_heads * d;
-  const int64_t width = (last + 16) / 16 * 16;
+  const int64_t width = (tile_last + 16) / 16 * 16;  // score slots per head
   float* scores[kTile];  // per query [group, width], then its sums [group, d]
   float* acc_store[kTile];
   for (int64_t i = 0; i < count; ++i) {
@@ -159,12 +102,12 @@ void attend_tile(int64_t count, const float* const q[kTile], const int64_t posit
   __m512 maxima[kTile][64];
   for (int64_t i = 0; i < count; ++i)
     for (int64_t h = 0; h < group; ++h) maxima[i][h] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t <= last; t += 16) {
-    const int64_t tile_left = last + 1 - t;
+  for (int64_t t = 0; t <= tile_last; t += 16) {  // 16 key positions at a time (past a query's last: masked)
+    const int64_t tile_left = tile_last + 1 - t;
     for (int j = 0; j < 16; ++j) block[j] = keys + slot(t + (j < tile_left ? j : tile_left - 1)) * stride + kv_head * d;
     for (int64_t i = 0; i < count; ++i) {
-      if (t > position[i]) continue;
-      const __mmask16 lanes = first_lanes(position[i] + 1 - t);
+      if (t > last[i]) continue;
+      const __mmask16 lanes = first_lanes(last[i] + 1 - t);
       for (int64_t h = 0; h < group; ++h) {
         const __m512 s = _mm512_mul_ps(_mm512_set1_ps(scale), dots16(q[i] + h * d, block, d));
         _mm512_mask_storeu_ps(scores[i] + h * width + t, lanes, s);
@@ -177,8 +120,8 @@ void attend_tile(int64_t count, const float* const q[kTile], const int64_t posit
     for (int64_t h = 0; h < group; ++h) {
       const __m512 max_vec = _mm512_set1_ps(_mm512_reduce_max_ps(maxima[i][h]));
       __m512 sums = _mm512_setzero_ps();
-      for (int64_t t = 0; t <= position[i]; t += 16) {
-        const __mmask16 lanes = first_lanes(position[i] + 1 - t);
+      for (int64_t t = 0; t <= last[i]; t += 16) {
+        const __mmask16 lanes = first_lanes(last[i] + 1 - t);
         float* row = scores[i] + h * width + t;
         const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row), max_vec));
         _mm512_mask_storeu_ps(row, lanes, e);
@@ -190,13 +133,13 @@ void attend_tile(int64_t count, const float* const q[kTile], const int64_t posit
   }
   const int64_t chunks = d / 16;
   __m512 acc[16];  // head_dim up to 256
-  const float* rows[16];
-  for (int64_t t = 0; t <= last; t += 16) {
-    const int64_t tile_end = t + 16 <= last + 1 ? t + 16 : last + 1;
+  const float* rows[16];  // the block's value rows, looked up once for every query and head
+  for (int64_t t = 0; t <= tile_last; t += 16) {  // each output lane accumulates over t in order
+    const int64_t tile_end = t + 16 <= tile_last + 1 ? t + 16 : tile_last + 1;
     for (int64_t u = t; u < tile_end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
     for (int64_t i = 0; i < count; ++i) {
-      if (t > position[i]) continue;
-      const int64_t end = t + 16 <= position[i] + 1 ? t + 16 : position[i] + 1;
+      if (t > last[i]) continue;
+      const int64_t end = t + 16 <= last[i] + 1 ? t + 16 : last[i] + 1;
       for (int64_t h = 0; h < group; ++h) {
         for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store[i] + h * d + 16 * c);
         for (int64_t u = t; u < end; ++u) {
@@ -216,6 +159,18 @@ void attend_tile(int64_t count, const float* const q[kTile], const int64_t posit
       }
     }
   }
+}
+
+void attend_tile(int64_t count, const float* const q[kTile], const int64_t last[kTile], const float* keys,
+                 const float* values, const int64_t* blocks, int64_t block_size, int64_t first, const int64_t* path,
+                 int64_t path_start, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
+                 float* scratch, float* const out[kTile]) {
+  if (first == 0 && path == nullptr)
+    attend_keys<true>(count, q, last, keys, values, blocks, block_size, first, path, path_start, kv_head, num_kv_heads,
+                      group, d, scale, scratch, out);
+  else
+    attend_keys<false>(count, q, last, keys, values, blocks, block_size, first, path, path_start, kv_head, num_kv_heads,
+                       group, d, scale, scratch, out);
 }
 
 }  // namespace
