@@ -24,6 +24,7 @@ from draftwise.benchmark.summary import speedup, summarize
 from draftwise.cli import main
 from draftwise.cli.speculative_flags import speculative_arguments
 from draftwise.errors import InvalidParameterError
+from draftwise.quant.native import amx_kernels
 from draftwise.sampling.params import SamplingParams
 from draftwise.speculative.verify import VerifyResult, verify
 from draftwise.text.tokenizer import Tokenizer
@@ -457,8 +458,12 @@ def test_prefill_suite_times_prompts_with_the_prompt_kernels_off_and_on(settings
     assert list(figures) == ["prompt kernels off", "prompt kernels on", "prompt kernels off (control)"]
     assert figures["prompt kernels off"]["vs_baseline"] == {"150 tokens": 1.0, "400 tokens": 1.0}
     assert all(speed > 0 for f in figures.values() for speed in f["prefill_tokens_per_second"].values())
-    assert figures["prompt kernels on"]["equal"] == 2  # (the tiny float model has no prompt kernels)
-    assert figures["prompt kernels on"]["top1_as_baseline"] == 1.0 and figures["prompt kernels on"]["perplexity"] > 1
+    on, off = figures["prompt kernels on"], figures["prompt kernels off"]
+    if amx_kernels() is None:  # both configs compute alike
+        assert on["equal"] == 2 and on["top1_as_baseline"] == 1.0 and on["perplexity"] == off["perplexity"]
+    else:  # the tiny int4 model's prompts on AMX tiles: rounded otherwise, the same model (a random one: flat logits)
+        assert on["top1_as_baseline"] >= 0.75 and abs(on["perplexity"] / off["perplexity"] - 1) < 0.05
+    assert on["perplexity"] > 1
     assert "| prompt kernels on |" in report.markdown and "AMX tiles on this machine" in report.markdown
 
 

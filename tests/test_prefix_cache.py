@@ -69,7 +69,9 @@ def test_a_reset_prefix_cache_finds_nothing_and_frees_its_idle_blocks():
 
 @pytest.fixture(scope="module")
 def uncached(tiny_qwen):
-    return LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=8, progress=False, enable_prefix_caching=False)
+    """(Prompt kernels as where caching is on, their default there: caching alone differs.)"""
+    return LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=8, progress=False, enable_prefix_caching=False,
+               prompt_kernels=False)
 
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=5, max_tokens=24)]

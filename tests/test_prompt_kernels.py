@@ -9,6 +9,7 @@ import torch
 
 from draftwise import LLM, SamplingParams
 from draftwise.errors import InvalidParameterError
+from draftwise.quant.linear import pack_int8_strips, pack_strips
 from draftwise.quant.native import amx_kernels
 from draftwise.quant.superblock_strips import kernel_available, pack_q4k_strips, pack_q6k_strips
 from draftwise.runner.model_runner import ModelRunner
@@ -17,8 +18,41 @@ from tests.test_superblock_kernels import q4k_m_like_model, q4k_weight, q6k_weig
 needs_amx = pytest.mark.skipif(amx_kernels() is None or not kernel_available("q6k_matmul_q8", 256),
                                reason="no AMX-BF16 tiles (or no VNNI super-block kernels) on this machine")
 
-FORMATS = (("q4k_matmul_amx", random_q4k, pack_q4k_strips, q4k_weight),
-           ("q6k_matmul_amx", random_q6k, pack_q6k_strips, q6k_weight))
+
+
+def random_int4(n: int, k: int, seed: int = 0):
+    """quants 0..15, fp16 scales and minimums per group of 32 (as int4 strips hold them)"""
+    generator = torch.Generator().manual_seed(seed)
+    quants = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, generator=generator) * 0.01 + 1e-3).half().float()
+    minimums = (torch.randn(n, k // 32, generator=generator) * 0.05).half().float()
+    return quants, scales, minimums
+
+
+def int4_weight(quants, scales, minimums) -> torch.Tensor:  # float32, as the kernel's fused s q - m rounds it
+    return scales.repeat_interleave(32, 1) * quants.float() - minimums.repeat_interleave(32, 1)
+
+
+def random_int8(n: int, k: int, seed: int = 0):
+    """values -127..127 and a bf16 scale per channel (as Int8Linear keeps them)"""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    return values, (torch.rand(n, generator=generator) * 0.01 + 1e-3).bfloat16().float()
+
+
+def int8_packed(values, scales):
+    return pack_int8_strips(values), torch.nn.functional.pad(scales, (0, -len(scales) % 16)).contiguous()
+
+
+def int8_weight(values, scales) -> torch.Tensor:
+    return scales[:, None] * values.float()
+
+
+# kernel, random weights (n, k, seed), the kernel's packed arguments, the weight it computes with
+FORMATS = (("q4k_matmul_amx", random_q4k, lambda *w: (pack_q4k_strips(*w),), q4k_weight),
+           ("q6k_matmul_amx", random_q6k, lambda *w: (pack_q6k_strips(*w),), q6k_weight),
+           ("int4_matmul_amx", random_int4, lambda *w: (pack_strips(*w),), int4_weight),
+           ("int8_matmul_amx", random_int8, int8_packed, int8_weight))
 
 
 @needs_amx
@@ -33,7 +67,7 @@ def test_prompt_kernels_compute_the_bf16_product(rows):
         weights = make(n, k)
         weight = weight_of(*weights).bfloat16().double()  # [N, K]
         expected = x.bfloat16().double() @ weight.t()
-        got = getattr(amx_kernels(), kernel)(x, pack(*weights), n).double()
+        got = getattr(amx_kernels(), kernel)(x, *pack(*weights), n).double()
         assert got.shape == (rows, n)
         assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), kernel
 
@@ -45,13 +79,13 @@ def test_a_prompt_rows_output_depends_neither_on_the_rows_nor_on_the_threads_bes
     x = torch.randn(70, k, generator=generator)
     threads = torch.get_num_threads()
     for kernel, make, pack, _ in FORMATS:
-        strips, matmul = pack(*make(n, k)), getattr(amx_kernels(), kernel)
-        batch = matmul(x, strips, n)
+        packed, matmul = pack(*make(n, k)), getattr(amx_kernels(), kernel)
+        batch = matmul(x, *packed, n)
         for rows in (slice(0, 1), slice(3, 11), slice(17, 50), slice(0, 64)):
-            assert torch.equal(matmul(x[rows].contiguous(), strips, n), batch[rows]), (kernel, rows)
+            assert torch.equal(matmul(x[rows].contiguous(), *packed, n), batch[rows]), (kernel, rows)
         try:
             torch.set_num_threads(1)
-            assert torch.equal(matmul(x, strips, n), batch), kernel
+            assert torch.equal(matmul(x, *packed, n), batch), kernel
         finally:
             torch.set_num_threads(threads)
 
@@ -60,7 +94,8 @@ def test_a_prompt_rows_output_depends_neither_on_the_rows_nor_on_the_threads_bes
 def test_prompt_kernels_default_to_on_without_the_prefix_cache_and_refuse_a_non_boolean(q4k_m_like_model, tiny_qwen):
     assert not LLM(str(q4k_m_like_model), max_model_len=64, progress=False).model.prompt_kernels
     assert LLM(str(q4k_m_like_model), max_model_len=64, progress=False, enable_prefix_caching=False).model.prompt_kernels
-    assert not LLM(str(tiny_qwen), max_model_len=64, progress=False, prompt_kernels=True).model.prompt_kernels  # (float)
+    assert not LLM(str(tiny_qwen), max_model_len=64, progress=False, prompt_kernels=True,
+                   quantization="none").model.prompt_kernels  # (float weights: no prompt kernel)
     with pytest.raises(InvalidParameterError, match="prompt_kernels"):
         LLM(str(tiny_qwen), max_model_len=64, progress=False, prompt_kernels="yes")
 
@@ -145,3 +180,29 @@ def test_only_prompt_blocks_are_shared_under_prompt_kernels(q4k_m_like_model):
             assert found == prompt_blocks * 16
         else:
             assert found > prompt_blocks * 16
+
+
+@needs_amx
+def test_a_draft_model_takes_its_prompt_on_the_prompt_kernels_so_the_target_drafting_for_itself_accepts_all(
+        q4k_m_like_model, monkeypatch):
+    """The draft model follows the target's rule: its catch-up over the prompt in a prompt pass, its
+    drafts in decoding passes. The target as its own draft model then has every token accepted."""
+    spy = Spy(amx_kernels())
+    monkeypatch.setattr("draftwise.quant.linear.prompt_kernels", lambda: spy)
+    monkeypatch.setattr("draftwise.quant.q6k_linear.prompt_kernels", lambda: spy)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def engine(**kwargs):
+        return LLM(str(q4k_m_like_model), max_model_len=256, max_num_seqs=3, progress=False, prompt_kernels=True,
+                   **kwargs)
+
+    expected = [o.token_ids for o in engine().generate(PROMPTS, params)]
+    prefill_rows, spy.rows = sum(spy.rows), []  # every layer's rows over the target's prefills
+    llm = engine(speculative={"method": "draft", "model": str(q4k_m_like_model), "quantization": "int4",
+                              "num_speculative_tokens": 4, "adaptive": False, "draft_vocab_size": None,
+                              "draft_context_window": None})
+    outputs = llm.generate(PROMPTS, params)
+    assert prefill_rows > 0 and sum(spy.rows) == 2 * prefill_rows  # the same prompts again, nothing generated
+    assert [o.token_ids for o in outputs] == expected
+    metrics = llm.spec_metrics
+    assert metrics.num_draft_tokens >= 3 * 4 and metrics.num_accepted_tokens == metrics.num_draft_tokens

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+import torch
+
 PROMPT_KERNELS_ENV = "DRAFTWISE_PROMPT_KERNELS"
 
 _inside = ContextVar("draftwise_prompt_pass", default=False)
@@ -46,4 +48,6 @@ def prompt_pass() -> Iterator[None]:
 
 
 def in_prompt_pass() -> bool:
-    return _inside.get()
+    """Whether the forward running now computes prompt tokens (never inside a compiled step: those
+    compute decoding passes, and torch.compile cannot trace a ContextVar)."""
+    return not torch.compiler.is_compiling() and _inside.get()

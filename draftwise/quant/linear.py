@@ -92,7 +92,7 @@ class Int4Linear(nn.Module):
     @property
     def has_prompt_kernel(self) -> bool:
         """Whether prompt tokens take a kernel of their own here (`model/prompt_pass.py`)."""
-        return self.layout == Q4K_STRIPS and prompt_kernels() is not None
+        return self.int8_activations and prompt_kernels() is not None
 
     @classmethod
     def from_packed(cls, state: dict[str, torch.Tensor], bias: torch.Tensor | None) -> "Int4Linear":
@@ -127,8 +127,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
-            if self.layout == Q4K_STRIPS and in_prompt_pass() and self.has_prompt_kernel:
+            prompt = in_prompt_pass() and self.has_prompt_kernel
+            if prompt and self.layout == Q4K_STRIPS:
                 out = prompt_kernels().q4k_matmul_amx(flat, self.q4k_strips, self.out_features)  # [M, N] float32
+            elif prompt:
+                out = prompt_kernels().int4_matmul_amx(flat, self.strips, self.out_features)  # [M, N] float32
             elif self.layout == Q4K_STRIPS:
                 out = native_ops.q4k_q8(flat, self.q4k_strips, self.out_features)  # [M, N] float32
             else:
@@ -239,6 +242,11 @@ class Int8Linear(nn.Module):
         layer._use_kernels(True, state.get("strips"))
         return layer
 
+    @property
+    def has_prompt_kernel(self) -> bool:
+        """Whether prompt tokens take a kernel of their own here (`model/prompt_pass.py`)."""
+        return self.int8_activations and prompt_kernels() is not None
+
     def packed_state(self) -> dict[str, torch.Tensor]:
         shape = torch.tensor([self.out_features, self.in_features])
         if self.int8_activations:
@@ -248,7 +256,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             flat = x.reshape(-1, self.in_features).float().contiguous()  # [M, K], quantized per group by the kernel
-            out = native_ops.int8_q8(flat, self.strips, self.scales_float, self.out_features)  # [M, N] float32
+            if in_prompt_pass() and self.has_prompt_kernel:
+                out = prompt_kernels().int8_matmul_amx(flat, self.strips, self.scales_float, self.out_features)  # [M, N]
+            else:
+                out = native_ops.int8_q8(flat, self.strips, self.scales_float, self.out_features)  # [M, N] float32
         elif self.kernels is not None:
             flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [M, K]
             out = native_ops.int8(flat, self.weight_int8, self.scales_float)  # [M, N] float32

@@ -7,7 +7,8 @@
   activation kernels only (`int4_matmul_q8`, `int8_matmul_q8`), on the same packed weights.
 
 On CPUs with AMX tiles (AMX-BF16) a third family, kernels/amx_prompt.cpp, computes prompts
-(`q4k_matmul_amx`, `q6k_matmul_amx`: `model/prompt_pass.py`).
+(`q4k_matmul_amx`, `q6k_matmul_amx`, `int4_matmul_amx`, `int8_matmul_amx`: `model/prompt_pass.py`)
+on the int8-activation kernels' strips.
 
 Where neither fits or a compiler is missing, `kernels()` returns None and the quantized layers use
 PyTorch's packed kernels instead: same weights, a different (slower) path. Set
@@ -67,10 +68,15 @@ def prompt_kernels():
     return amx_kernels() if prompt_kernels_wanted() else None
 
 
+def amx_tiles_here() -> bool:
+    """Whether this CPU has the AMX tiles the prompt kernels take (from its flags: builds nothing)."""
+    return native.chosen(AMX_BUILDS) is not None
+
+
 @cache
 def amx_kernels():
-    """The prompt's AMX kernels (`q4k_matmul_amx`, `q6k_matmul_amx`: kernels/amx_prompt.cpp), or None
-    where the CPU has no AMX-BF16, the kernels are off or Linux refuses this process the tiles."""
+    """The prompt's AMX kernels (`q4k_matmul_amx`, `q6k_matmul_amx`, `int4_matmul_amx`, `int8_matmul_amx`:
+    kernels/amx_prompt.cpp), or None where the CPU has no AMX-BF16, the kernels are off or Linux refuses
+    this process the tiles."""
     module = native.build("amx_prompt", AMX_BUILDS)
     return module if module is not None and module.amx_usable() else None
-

@@ -51,7 +51,8 @@ def measure_costs(target: Target, proposer: Proposer | None, config: Speculative
     runner = target.runner
     drafter = "plain" if config is None else config.drafter_key()
     key = configuration_key(target.folder, runner.model.quantization.mode, runner.device, runner.dtype,
-                            f"step={runner.step_mode}", drafter)
+                            f"step={runner.step_mode}", drafter,
+                            *(("prompt kernels",) if runner.prompt_kernels else ()))  # (a draft model's catch-up)
     max_draft = config.num_speculative_tokens if config is not None else 0
     costs = load_or_measure(key, runner, proposer, target.tokenizer, min(max_draft, MAX_PROFILED_DRAFT),
                             refresh=refresh, measure_with=config.spec.profile if config is not None else None)

@@ -25,7 +25,7 @@ from draftwise.benchmark.runner import lineup, run_benchmark
 from draftwise.benchmark.suites import BenchSettings
 from draftwise.benchmark.suites.quantization import PACKAGE, SAMPLE_FILES
 from draftwise.benchmark.suites.speculative import tokenizer_of
-from draftwise.quant.native import amx_kernels
+from draftwise.quant.native import amx_tiles_here
 from draftwise.sampling.params import SamplingParams
 
 OFF, ON = "prompt kernels off", "prompt kernels on"
@@ -46,10 +46,10 @@ def run(settings: BenchSettings) -> SuiteReport:
         results = run_benchmark(contestants, items + [quality], warm_up="Hello", progress=settings.progress)
     baseline = next(r for r in results if r.name == OFF)
     lengths = sorted({item[0] for item in items}, key=lambda name: int(name.split()[0]))
+    base_speeds = {length: prefill_speed([r for r in baseline.requests if r.category == length]) for length in lengths}
     figures, rows = {}, []
     for result in results:
         speeds = {length: prefill_speed([r for r in result.requests if r.category == length]) for length in lengths}
-        base_speeds = {length: prefill_speed([r for r in baseline.requests if r.category == length]) for length in lengths}
         measured, first_top1 = result.measures[0], baseline.measures[0]["top1"]
         figures[result.name] = {
             "prefill_tokens_per_second": speeds,
@@ -65,7 +65,7 @@ def run(settings: BenchSettings) -> SuiteReport:
         f"{settings.model}: {len(items)} prompts (HumanEval prompts joined to each length), greedy, "
         f"{params.max_tokens} tokens, prefix caching off, batch 1, interleaved (the first config rotating), "
         "each config on its own LLM" + (", in its own process." if settings.isolation == "process" else ", all in one process.")
-        + f" AMX tiles on this machine: {'yes' if amx_kernels() is not None else 'no (both configs compute alike)'}.",
+        + f" AMX tiles on this machine: {'yes' if amx_tiles_here() else 'no (both configs compute alike)'}.",
         control_line(control, OFF, control_name(OFF), " (prefill speed, mean over the lengths)"),
         "Prefill speed: prompt tokens per second of time to first token (and against the baseline):",
         table(["config"] + lengths + ["outputs = off", f"perplexity ({quality_tokens(results)} tokens)",

@@ -1,5 +1,6 @@
-// GGUF Q4_K / Q6_K weights (the int8-activation kernels' strips, q8_matmul.cpp) times bf16 activations
-// on AMX tiles: the prompt's kernel. A prompt pass has many rows, so each strip of 16 channels is
+// Quantized weights in the int8-activation kernels' strips (q8_matmul.cpp: GGUF Q4_K and Q6_K, int4 with
+// fp16 scales and minimums per group, int8 with a scale per channel) times bf16 activations on AMX
+// tiles: the prompt's kernel. A prompt pass has many rows, so each strip of 16 channels is
 // dequantized once to bf16 (exact scales, then rounded) and reused by every tile of rows, and the
 // fp32 sums stay in the tiles across the whole K: the weights' own scales are already inside the
 // bf16 values, so nothing has to leave a tile every 32 inputs (what held AMX's int8 path back).
@@ -27,7 +28,8 @@ namespace {
 
 constexpr int64_t kGroup = 32, kStrip = 16, kSuper = 256, kRowTile = 16;
 constexpr int64_t kTileBytes = 1024;  // one dequantized group of a strip: 16 pairs x 16 channels x 2 bf16
-constexpr int64_t kQ4KBlockBytes = 64 + 8 * 288, kQ6KBlockBytes = 32 + 8 * 416;
+constexpr int64_t kQ4KBlockBytes = 64 + 8 * 288, kQ6KBlockBytes = 32 + 8 * 416;  // per super-block of 256
+constexpr int64_t kInt4GroupBytes = 4 * 64 + 2 * 32, kInt8GroupBytes = 512;  // per group of 32
 
 struct TileConfig {
   uint8_t palette, start_row;
@@ -138,6 +140,73 @@ void dequantize_q6k(const uint8_t* strip, int64_t k, uint16_t* out) {
   }
 }
 
+// An int4 strip's K inputs -> K/32 B tiles: w = s q - m, fp16 s and m per channel and group (the
+// nibbles laid out as Q4_K's)
+void dequantize_int4(const uint8_t* strip, int64_t k, uint16_t* out) {
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const uint8_t* group = strip + g * kInt4GroupBytes;
+    const __m512 scales = fp16_as_floats(group + 256), minimums = fp16_as_floats(group + 288);
+    uint16_t* tile = out + g * (kTileBytes / 2);
+    q4k_half<0>(group, scales, minimums, tile);
+    q4k_half<1>(group, scales, minimums, tile);
+  }
+}
+
+// One half (inputs 16 half + 0..15) of an int8 group: byte (t, c, j) of the half holds v[c, 16 half + 4t + j] + 128
+template <int Half>
+inline void int8_half(const uint8_t* group, __m512 scales, uint16_t* tile) {
+  const __m512i byte = _mm512_set1_epi32(0xFF), bias = _mm512_set1_epi32(128);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i lanes = _mm512_loadu_si512(group + 256 * Half + 64 * t);
+    __m512 w[4];
+    for (int j = 0; j < 4; ++j) {  // exact: 8 x 8 significant bits (a bf16 scale)
+      const __m512i v = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(lanes, 8 * j), byte), bias);
+      w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(v), scales);
+    }
+    store_pair(tile + (8 * Half + 2 * t) * 32, w[0], w[1]);
+    store_pair(tile + (8 * Half + 2 * t + 1) * 32, w[2], w[3]);
+  }
+}
+
+// An int8 strip's K inputs -> K/32 B tiles: w = s[c] v
+void dequantize_int8(const uint8_t* strip, const float* channel_scales, int64_t k, uint16_t* out) {
+  const __m512 scales = _mm512_loadu_ps(channel_scales);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const uint8_t* group = strip + g * kInt8GroupBytes;
+    uint16_t* tile = out + g * (kTileBytes / 2);
+    int8_half<0>(group, scales, tile);
+    int8_half<1>(group, scales, tile);
+  }
+}
+
+enum class Format { q4k, q6k, int4, int8 };
+
+// A format's strip: its bytes for K inputs, the multiple K must be, and its dequantization
+struct Strips {
+  Format format;
+  const uint8_t* packed;
+  const float* channel_scales;  // int8 only: [N padded to 16]
+  int64_t k;
+  int64_t k_multiple() const { return format == Format::q4k || format == Format::q6k ? kSuper : kGroup; }
+  int64_t strip_bytes() const {
+    switch (format) {
+      case Format::q4k: return k / kSuper * kQ4KBlockBytes;
+      case Format::q6k: return k / kSuper * kQ6KBlockBytes;
+      case Format::int4: return k / kGroup * kInt4GroupBytes;
+      default: return k / kGroup * kInt8GroupBytes;
+    }
+  }
+  void dequantize(int64_t strip, uint16_t* out) const {
+    const uint8_t* data = packed + strip * strip_bytes();
+    switch (format) {
+      case Format::q4k: dequantize_q4k(data, k, out); break;
+      case Format::q6k: dequantize_q6k(data, k, out); break;
+      case Format::int4: dequantize_int4(data, k, out); break;
+      default: dequantize_int8(data, channel_scales + strip * kStrip, k, out); break;
+    }
+  }
+};
+
 // out[rows, 16 S channels from strip0] (written, not added to) from the S dequantized strips
 template <int S>
 void strips_times_rows(const uint16_t* dequantized, const uint16_t* x, int64_t m_padded, int64_t m, int64_t k,
@@ -176,15 +245,13 @@ void strips_times_rows(const uint16_t* dequantized, const uint16_t* x, int64_t m
   }
 }
 
-torch::Tensor prompt_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, bool q6k) {
+torch::Tensor prompt_matmul(torch::Tensor x, Strips w, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(tiles_permitted(), "the kernel may not use AMX tiles here (arch_prctl refused)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a float32 [M, K] tensor");
   const int64_t m = x.size(0), k = x.size(1), strips = (n + kStrip - 1) / kStrip;
-  const int64_t block_bytes = q6k ? kQ6KBlockBytes : kQ4KBlockBytes;
-  TORCH_CHECK(k % kSuper == 0, "K must be a multiple of 256, got ", k);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-              packed.numel() == strips * (k / kSuper) * block_bytes,
-              "packed must be contiguous uint8 [N/16, K/256, ", block_bytes, "]");
+  TORCH_CHECK(k == w.k && k % w.k_multiple() == 0, "K must be a multiple of ", w.k_multiple(), ", got ", k);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.numel() == strips * w.strip_bytes(),
+              "packed must be contiguous uint8 holding ", strips, " strips of ", w.strip_bytes(), " bytes");
   const int64_t m_padded = (m + 2 * kRowTile - 1) / (2 * kRowTile) * (2 * kRowTile);
   auto rows = torch::zeros({m_padded, k}, torch::kBFloat16);  // [M padded to 32, K]
   rows.narrow(0, 0, m).copy_(x);  // (round to nearest even, row by row)
@@ -192,19 +259,14 @@ torch::Tensor prompt_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, bo
   rows = rows.view({m_padded / (2 * kRowTile), 2 * kRowTile, k / kGroup, kGroup}).transpose(1, 2).contiguous();
   auto out = torch::empty({m, n}, torch::kFloat32);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
-  const uint8_t* weights = packed.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  const int64_t strip_bytes = (k / kSuper) * block_bytes, pairs = (strips + 1) / 2;
+  const int64_t pairs = (strips + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
     load_tile_config();
     std::vector<uint16_t> dequantized(2 * (k / kGroup) * (kTileBytes / 2));
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t strip0 = 2 * pair, count = std::min<int64_t>(2, strips - strip0);
-      for (int64_t s = 0; s < count; ++s) {
-        uint16_t* into = dequantized.data() + s * (k / kGroup) * (kTileBytes / 2);
-        if (q6k) dequantize_q6k(weights + (strip0 + s) * strip_bytes, k, into);
-        else dequantize_q4k(weights + (strip0 + s) * strip_bytes, k, into);
-      }
+      for (int64_t s = 0; s < count; ++s) w.dequantize(strip0 + s, dequantized.data() + s * (k / kGroup) * (kTileBytes / 2));
       if (count == 2) strips_times_rows<2>(dequantized.data(), xb, m_padded, m, k, strip0, n, o);
       else strips_times_rows<1>(dequantized.data(), xb, m_padded, m, k, strip0, n, o);
     }
@@ -213,15 +275,33 @@ torch::Tensor prompt_matmul(torch::Tensor x, torch::Tensor packed, int64_t n, bo
   return out;
 }
 
+Strips strips_of(Format format, const torch::Tensor& x, const torch::Tensor& packed, const float* scales = nullptr) {
+  return Strips{format, packed.data_ptr<uint8_t>(), scales, x.dim() == 2 ? x.size(1) : 0};
+}
+
 }  // namespace
 
-torch::Tensor q4k_matmul_amx(torch::Tensor x, torch::Tensor packed, int64_t n) { return prompt_matmul(x, packed, n, false); }
-torch::Tensor q6k_matmul_amx(torch::Tensor x, torch::Tensor packed, int64_t n) { return prompt_matmul(x, packed, n, true); }
+torch::Tensor q4k_matmul_amx(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  return prompt_matmul(x, strips_of(Format::q4k, x, packed), packed, n);
+}
+torch::Tensor q6k_matmul_amx(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  return prompt_matmul(x, strips_of(Format::q6k, x, packed), packed, n);
+}
+torch::Tensor int4_matmul_amx(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  return prompt_matmul(x, strips_of(Format::int4, x, packed), packed, n);
+}
+torch::Tensor int8_matmul_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n) {
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == (n + kStrip - 1) / kStrip * kStrip,
+              "scales must be contiguous float32 [N padded to a multiple of 16]");
+  return prompt_matmul(x, strips_of(Format::int8, x, packed, scales.data_ptr<float>()), packed, n);
+}
 
 bool amx_usable() { return tiles_permitted(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4k_matmul_amx", &q4k_matmul_amx, "x float32 [M, K] times Q4_K strips on AMX: float32 [M, n]");
   m.def("q6k_matmul_amx", &q6k_matmul_amx, "x float32 [M, K] times Q6_K strips on AMX: float32 [M, n]");
+  m.def("int4_matmul_amx", &int4_matmul_amx, "x float32 [M, K] times int4 strips on AMX: float32 [M, n]");
+  m.def("int8_matmul_amx", &int8_matmul_amx, "x float32 [M, K] times int8 strips (channel scales [N16]) on AMX: float32 [M, n]");
   m.def("amx_usable", &amx_usable, "whether this process may use AMX tiles");
 }
