@@ -206,3 +206,19 @@ def test_a_draft_model_takes_its_prompt_on_the_prompt_kernels_so_the_target_draf
     assert [o.token_ids for o in outputs] == expected
     metrics = llm.spec_metrics
     assert metrics.num_draft_tokens >= 3 * 4 and metrics.num_accepted_tokens == metrics.num_draft_tokens
+
+
+@needs_amx
+def test_a_short_prompt_takes_the_prompt_kernels_with_a_static_step_too(q4k_m_like_model):
+    """A static-shape step computes decoding passes; a prompt short enough to fit its buckets is still
+    a prompt (else a short prompt's keys would depend on whether a long one shared its pass)."""
+    def engine(**kwargs):
+        return LLM(str(q4k_m_like_model), max_model_len=256, max_num_seqs=3, progress=False, prompt_kernels=True,
+                   **kwargs)
+
+    short = PROMPTS[:2]  # (~10 tokens each: within the step's buckets)
+    expected = [answers(engine(), [p])[0] for p in short]
+    static = engine(step_mode="eager")
+    assert static.runner.static_step is not None
+    assert [answers(static, [p])[0] for p in short] == expected  # each alone
+    assert answers(static, short + [PROMPTS[2]])[:2] == expected  # beside a prompt past the buckets

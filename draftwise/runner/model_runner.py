@@ -8,7 +8,8 @@ backend implements the same methods without the speculation code noticing.
 
 Passes of up to 16 new tokens per row (decoding, verification, a draft's catch-up) go through a
 static-shape step (`static_step.py`) when `step_mode` names one: eager, compiled, or replayed as a
-CUDA graph; prompts, layer-skipping passes and passes that capture hidden states run eagerly.
+CUDA graph; prompts on prompt kernels (`model/prompt_pass.py`, however short), layer-skipping passes
+and passes that capture hidden states run eagerly.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class ModelRunner:
         for row, length, count in zip(rows, lengths, counts):
             self.blocks.grow(row, length + count)
         width = max(counts)
-        if self.static_step is not None and num_layers is None and not capture_layers \
+        prompt = prompt and self.prompt_kernels  # (else a prompt is computed as any other pass)
+        if self.static_step is not None and num_layers is None and not capture_layers and not prompt \
                 and self.static_step.fits(len(rows), width):
             result = self._static_forward(rows, token_ids, lengths, num_logits, parents)
         else:
