@@ -10,8 +10,9 @@ took plain steps for a while), the cache restarts from the last `context_window`
 Prompt kernels: where the target computes prompts by kernels of their own (`model/prompt_pass.py`),
 the draft model follows the same rule: what its cache lacks of the prompt goes in a prompt pass of
 its own before drafting, its generated tokens in decoding passes (the 0.5B's catch-up of 64-256
-tokens measured 1.01-1.08x faster so on a 2-core Xeon: its layers are narrow). A drafter's numbers need not match
-the target's, but under the same rule the target drafting for itself still accepts every token.
+tokens measured 1.01-1.08x faster so on a 2-core Xeon: its layers are narrow). A drafter's numbers
+need not match the target's, but under the same rule the target drafting for itself still accepts
+every token.
 """
 
 from __future__ import annotations
