@@ -138,3 +138,13 @@ def test_cuda_graphs_compute_the_eager_paths_logits_bit_for_bit(tiny_qwen, dtype
     expected, got = drive(eager, schedule), drive(graphs, schedule)
     for step, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"pass {step}: max |diff| {(a - b).abs().max().item():.3g}"
+
+
+def test_buckets_reach_64_tokens_a_row_and_1024_a_pass(tiny_qwen):
+    """A 64-token verification fits the captured shapes at up to 16 rows (the GPU's 64-token goal);
+    past 1,024 tokens a pass runs eagerly (each bucket's graph keeps its logits)."""
+    model = load_model(tiny_qwen, quantization="none")
+    step = ModelRunner(model, 64, MAX_LEN, step_mode="eager").static_step
+    assert step.fits(16, 64) and step.fits(64, 16) and step.fits(1, 33) and step.fits(64, 1)
+    assert step.bucket(3, 33, True) == (4, 64, 64)
+    assert not step.fits(17, 64) and not step.fits(32, 64) and not step.fits(1, 65) and not step.fits(65, 1)

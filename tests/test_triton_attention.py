@@ -69,6 +69,24 @@ CHECK = textwrap.dedent("""
                                      torch.zeros(1, dtype=torch.long, device=device), positions[b, s:s + 1],
                                      scale=0.07, window=37)
             assert torch.equal(alone, windowed[b:b + 1, :, s:s + 1]), (b, s)
+
+    # A long row (640 keys: 20 blocks, so each of the SPLITS programs merges two or three) beside a short one.
+    long_table = torch.randperm(40, device=device).view(1, 40)
+    both_tables = torch.cat([long_table, torch.cat([tables[0], tables[0], tables[0], tables[0], tables[0]])[None]])
+    long_q = torch.randn(2, heads, 3, dim, device=device)
+    long_positions = torch.tensor([597, 598, 599, 3, 100, 127], device=device)
+    long_rows = torch.arange(2, device=device).repeat_interleave(3)
+    both = triton_attention(long_q, keys, values, both_tables, page, long_rows, long_positions)
+    long_slots = (long_table[0, :, None] * page + torch.arange(page, device=device)).flatten()
+    k = keys[long_slots].transpose(0, 1)[None]
+    v = values[long_slots].transpose(0, 1)[None]
+    for s in range(3):
+        p = int(long_positions[s])
+        ref = F.scaled_dot_product_attention(long_q[:1, :, s:s + 1], k[:, :, :p + 1], v[:, :, :p + 1], enable_gqa=True)
+        assert float((both[:1, :, s:s + 1] - ref).abs().max()) < 1e-4, s
+        alone = triton_attention(long_q[:1, :, s:s + 1].contiguous(), keys, values, long_table, page,
+                                 torch.zeros(1, dtype=torch.long, device=device), long_positions[s:s + 1])
+        assert torch.equal(alone, both[:1, :, s:s + 1]), s
     print("ok", worst)
 """)
 

@@ -81,26 +81,31 @@ def reference_step(script: Path, config: Path, timeout: float = 600) -> dict | N
         return json.loads(path.read_text())
 
 
-def hf_step_seconds(folder: Path, device: torch.device, dtype: torch.dtype, rows: int, context: int,
-                    steps: int = 10) -> float:
+def hf_step_seconds(folder: Path, device: torch.device, dtype: torch.dtype, levels: tuple[int, ...], context: int,
+                    steps: int = 10, say=lambda label, value, seconds=False: value) -> dict[int, float]:
     """Median seconds of one decoding step of Hugging Face transformers' eager forward (its own
-    KV cache), at `rows` rows after `context` tokens, the model built from `folder`'s config.json with
-    random weights (only the shape matters for time)."""
+    KV cache) at each number of rows in `levels`, after `context` tokens, the model built once on the
+    device from `folder`'s config.json with random weights (only the shape matters for time)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(device).eval()
-    ids = torch.randint(5, min(1000, config.vocab_size), (rows, context), device=device)
-    samples = []
-    with torch.inference_mode():
-        cache = model(ids, use_cache=True).past_key_values
-        token = ids[:, -1:]
-        for step in range(steps + 2):
-            synchronize(device)
-            started = time.perf_counter()
-            cache = model(token, past_key_values=cache, use_cache=True).past_key_values
-            synchronize(device)
-            if step >= 2:
-                samples.append(time.perf_counter() - started)
-    del model, cache
-    return statistics.median(samples)
+    with device:  # (random initialization where the model runs: seconds on a GPU, not a minute on its host)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).eval()
+    seconds = {}
+    for rows in levels:
+        ids = torch.randint(5, min(1000, config.vocab_size), (rows, context), device=device)
+        samples = []
+        with torch.inference_mode():
+            cache = model(ids, use_cache=True).past_key_values
+            token = ids[:, -1:]
+            for step in range(steps + 2):
+                synchronize(device)
+                started = time.perf_counter()
+                cache = model(token, past_key_values=cache, use_cache=True).past_key_values
+                synchronize(device)
+                if step >= 2:
+                    samples.append(time.perf_counter() - started)
+        del cache
+        seconds[rows] = say(f"HF eager step, {rows} rows", statistics.median(samples), True)
+    del model
+    return seconds

@@ -1,16 +1,19 @@
-"""Causal attention of any number of queries over the paged KV cache, as one Triton kernel: the
-GPU's counterpart of `kernels/paged_attention.cpp`.
+"""Causal attention of any number of queries over the paged KV cache, in Triton: the GPU's
+counterpart of `kernels/paged_attention.cpp`.
 
-One program per (query, kv head) computes the attention of that query's group of heads over its
-own row's keys, read in place through the row's block table, block after block of BLOCK_N positions
-in a fixed order (online softmax, fp32 accumulation). No program reads another query's data or
-depends on how many programs run, so a query's result is the same alone, in a verification pass of
-k + 1 tokens, in a batch of 64 rows or in a prefill: the batch invariance speculation needs to stay
-bit-exact. One launch per layer replaces SDPA calls per query; the shapes the launch sees (queries,
-heads, head_dim) are all a CUDA graph needs, the lengths live in tensors.
+A query's keys are read in place through its row's block table, in blocks of BLOCK_N positions
+aligned the same way for every query. The blocks are dealt out to SPLITS programs per (query, kv
+head), program p taking blocks p, p + SPLITS, p + 2 SPLITS, ... in order (online softmax, fp32
+accumulation); a second kernel merges the SPLITS partial results in the order p = 0, 1, ... (flash
+decoding with a fixed split: one query's 256 keys are eight programs' work, not one's). Both the
+dealing and the merging depend on the query's own position only, never on how many queries share
+the launch, so a query's result is the same alone, in a verification pass of k + 1 tokens, in a
+batch of 64 rows or in a prefill: the batch invariance speculation needs to stay bit-exact. Two
+launches per layer replace SDPA calls per query; the shapes they see (queries, heads, head_dim) are
+all a CUDA graph needs, the lengths live in tensors.
 
-Without a GPU the same kernel runs in Triton's interpreter (TRITON_INTERPRET=1), which the tests use
-to check it against SDPA and for invariance.
+Without a GPU the same kernels run in Triton's interpreter (TRITON_INTERPRET=1), which the tests use
+to check them against SDPA and for invariance.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ except ImportError:  # Triton ships with CUDA builds of PyTorch; CPU machines us
     triton = None
 
 BLOCK_N = 32  # key positions per block: fixed, so a query's reduction order never changes
+SPLITS = 8  # programs per (query, kv head), each over every SPLITS-th block: fixed for the same reason
 
 
 def available() -> bool:
@@ -32,12 +36,14 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, positions_ptr, path_start_ptr, path_ptr,
-                                out_ptr, scale, window, stride_q_n, stride_q_h, stride_kv_s, stride_kv_h, stride_tables_b,
-                                stride_path_n, page_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                                HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_PATH: tl.constexpr):
+    def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, positions_ptr, path_start_ptr,
+                                  path_ptr, partial_ptr, stats_ptr, scale, window, stride_q_n, stride_q_h,
+                                  stride_kv_s, stride_kv_h, stride_tables_b, stride_path_n, page_size,
+                                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_PATH: tl.constexpr):
         n = tl.program_id(0)  # the query
         g = tl.program_id(1)  # its kv head; query heads g * GROUP .. g * GROUP + GROUP - 1 share it
+        p = tl.program_id(2)  # which of the query's SPLITS programs: blocks p, p + SPLITS, ...
         row = tl.load(rows_ptr + n)
         position = tl.load(positions_ptr + n)
         if HAS_PATH:  # a token tree: key positions from path_start on are read where the path says
@@ -53,7 +59,8 @@ if triton is not None:
         first = position * 0  # (position's integer type: the window branch may not change it)
         if window > 0:  # a sliding window: keys position - window + 1 .. position
             first = tl.maximum(position - window + 1, 0)
-        for start in range(first // BLOCK * BLOCK, position + 1, BLOCK):  # (blocks aligned the same for every query)
+        # Blocks aligned the same for every query; this program's are every SPLITS-th from its own.
+        for start in range((first // BLOCK + p) * BLOCK, position + 1, SPLITS * BLOCK):
             offsets = start + tl.arange(0, BLOCK)  # [N]
             visible = (offsets <= position) & (offsets >= first)
             stored = offsets
@@ -74,7 +81,38 @@ if triton is not None:
             total = total * rescale + tl.sum(weights, axis=1)
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
             m = m_new
+        # This program's share, unnormalized: partial [N, Hkv, SPLITS, G, D], stats [N, Hkv, SPLITS, 2, G].
+        part = (n * tl.num_programs(1) + g) * SPLITS + p
+        groups = tl.arange(0, GROUP_PAD)
+        tl.store(partial_ptr + part * GROUP * HEAD_DIM + groups[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=head_ok[:, None])
+        tl.store(stats_ptr + part * 2 * GROUP + groups, m, mask=head_ok)
+        tl.store(stats_ptr + part * 2 * GROUP + GROUP + groups, total, mask=head_ok)
+
+    @triton.jit
+    def _merge_kernel(partial_ptr, stats_ptr, out_ptr, stride_q_n, stride_q_h, GROUP: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        n = tl.program_id(0)
+        g = tl.program_id(1)
+        groups = tl.arange(0, GROUP_PAD)
+        head_ok = groups < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for p in tl.static_range(SPLITS):  # in program order; program 0 always read a block, so m is finite after it
+            part = (n * tl.num_programs(1) + g) * SPLITS + p
+            m_p = tl.load(stats_ptr + part * 2 * GROUP + groups, mask=head_ok, other=0.0)
+            total_p = tl.load(stats_ptr + part * 2 * GROUP + GROUP + groups, mask=head_ok, other=0.0)
+            acc_p = tl.load(partial_ptr + part * GROUP * HEAD_DIM + groups[:, None] * HEAD_DIM + dims[None, :],
+                            mask=head_ok[:, None], other=0.0)
+            m_new = tl.maximum(m, m_p)
+            mine, theirs = tl.exp(m - m_new), tl.exp(m_p - m_new)  # (a program that read nothing: m_p = -inf, 0)
+            total = total * mine + total_p * theirs
+            acc = acc * mine[:, None] + acc_p * theirs[:, None]
+            m = m_new
         out = acc / total[:, None]
+        heads = g * GROUP + groups
         tl.store(out_ptr + n * stride_q_n + heads[:, None] * stride_q_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
@@ -95,9 +133,14 @@ def triton_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     has_path = path is not None and path.numel() > 0
     if not has_path:
         path_start = path = positions  # never read
-    _paged_attention_kernel[(batch * seq, kv_heads)](
-        flat, keys, values, block_tables, query_rows, positions, path_start, path, out, dim ** -0.5 if scale is None else scale, window,
-        flat.stride(0), flat.stride(1), keys.stride(0), keys.stride(1), block_tables.stride(0),
-        path.stride(0) if has_path else 0, block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=dim, BLOCK=BLOCK_N, HAS_PATH=has_path)
+    queries, group_pad = batch * seq, max(16, triton.next_power_of_2(group))
+    partial = torch.empty(queries, kv_heads, SPLITS, group, dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(queries, kv_heads, SPLITS, 2, group, dtype=torch.float32, device=q.device)  # max, sum
+    _partial_attention_kernel[(queries, kv_heads, SPLITS)](
+        flat, keys, values, block_tables, query_rows, positions, path_start, path, partial, stats,
+        dim ** -0.5 if scale is None else scale, window, flat.stride(0), flat.stride(1), keys.stride(0),
+        keys.stride(1), block_tables.stride(0), path.stride(0) if has_path else 0, block_size, GROUP=group,
+        GROUP_PAD=group_pad, HEAD_DIM=dim, BLOCK=BLOCK_N, SPLITS=SPLITS, HAS_PATH=has_path)
+    _merge_kernel[(queries, kv_heads)](partial, stats, out, flat.stride(0), flat.stride(1), GROUP=group,
+                                       GROUP_PAD=group_pad, HEAD_DIM=dim, SPLITS=SPLITS)
     return out.view(batch, seq, heads, dim).transpose(1, 2)

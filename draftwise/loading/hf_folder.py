@@ -152,6 +152,16 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     """
     if load_format not in LOAD_FORMATS:
         raise InvalidParameterError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    model = _build_model(folder, device, dtype, pack_cpu_weights, quantization, load_format)
+    if torch.device(device).type == "cuda" and dtype == torch.float32:  # cuBLAS's sums change order with the rows
+        from draftwise.model.triton_linear import use_invariant_linears  # (Triton only where there is a GPU: ~70 MB)
+
+        use_invariant_linears(model)
+    return model
+
+
+def _build_model(folder: Path, device: torch.device | str, dtype: torch.dtype, pack_cpu_weights: bool,
+                 quantization: str, load_format: str) -> Transformer:
     config = read_config(folder)
     mode = resolve_quantization(quantization, device, dtype)
     if load_format == "dummy":

@@ -6,9 +6,9 @@ their own lengths; their keys and values live in a paged cache (`draftwise.cache
 they take as they grow and give back when rolled back (`truncate(handle, n)`) or freed. Another
 backend implements the same methods without the speculation code noticing.
 
-Passes of up to 16 new tokens per row (decoding, verification, a draft's catch-up) go through a
-static-shape step (`static_step.py`) when `step_mode` names one: eager, compiled, or replayed as a
-CUDA graph; prompts on prompt kernels (`model/prompt_pass.py`, however short), layer-skipping passes
+Passes of up to 64 new tokens per row (decoding, verification, a draft's catch-up; 1,024 in all) go
+through a static-shape step (`static_step.py`) when `step_mode` names one: eager, compiled, or
+replayed as a CUDA graph; prompts on prompt kernels (`model/prompt_pass.py`, however short), layer-skipping passes
 and passes that capture hidden states run eagerly.
 """
 
@@ -99,6 +99,12 @@ class ModelRunner:
         """The sequence's full blocks of committed tokens become shareable."""
         self.blocks.register(handle, token_ids)
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device: on a GPU `forward` returns before its pass has run
+        (its logits are computed by then only when read), so a timing of passes must end here."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # --- forward ----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
@@ -157,10 +163,9 @@ class ModelRunner:
         bucket = step.bucket(len(rows), max(len(ids) for ids in token_ids), any(n > 1 for n in num_logits))
         logits = step.run(bucket, step.prepare(bucket, rows, token_ids, lengths, parents))  # [R'*L', V]
         _, width, per_row = bucket
-        if per_row == 1:
-            index = list(range(len(rows)))
-        else:
-            index = [b * width + len(token_ids[b]) - n + i for b, n in enumerate(num_logits) for i in range(n)]
+        if per_row == 1:  # the real rows come first: a copy of them, no gather (a graph's logits are rewritten)
+            return ForwardResult(logits[:len(rows)].clone(), _cumulative(num_logits))
+        index = [b * width + len(token_ids[b]) - n + i for b, n in enumerate(num_logits) for i in range(n)]
         return ForwardResult(logits[index], _cumulative(num_logits))
 
     @property

@@ -24,8 +24,10 @@ runs instead. Its modes:
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from draftwise.cache import attention_backend, token_tree
@@ -34,7 +36,8 @@ from draftwise.errors import InvalidParameterError
 from draftwise.model.transformer import Transformer
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_BUCKET_TOKENS = 1024  # R' x S' at most: 64-token verification at up to 16 rows (each graph keeps its logits)
 MODES = ("eager", "compile", "graph")
 
 Bucket = tuple[int, int, int]  # (rows R', tokens per row S', logits per row L')
@@ -42,7 +45,8 @@ Bucket = tuple[int, int, int]  # (rows R', tokens per row S', logits per row L')
 
 @dataclass(slots=True)
 class StepTensors:
-    """One bucket's inputs (R rows, S tokens each, W blocks per row, L logits per row)."""
+    """One bucket's inputs (R rows, S tokens each, W blocks per row, L logits per row), views of one
+    flat int64 tensor (`flat`): a step's inputs reach the device in one copy."""
 
     token_ids: torch.Tensor  # [R, S]
     positions: torch.Tensor  # [R, S]
@@ -52,10 +56,23 @@ class StepTensors:
     logit_index: torch.Tensor  # [R*L] which of the R*S tokens go through the LM head
     path_start: torch.Tensor  # [R*S] each query's row length before the pass
     path: torch.Tensor  # [R*S, S] the stored positions each query reads from there on (token trees; chains: in order)
+    flat: torch.Tensor  # [sum of the above's sizes] what they view
+
+    @staticmethod
+    def shapes(bucket: Bucket, width: int) -> list[tuple[int, ...]]:
+        rows, tokens, logits = bucket
+        queries = rows * tokens
+        return [(rows, tokens), (rows, tokens), (queries,), (rows, width), (queries,), (rows * logits,), (queries,),
+                (queries, tokens)]
+
+    @classmethod
+    def viewing(cls, flat: torch.Tensor, bucket: Bucket, width: int) -> "StepTensors":
+        shapes = cls.shapes(bucket, width)
+        pieces = flat.split([math.prod(shape) for shape in shapes])
+        return cls(*(piece.view(shape) for piece, shape in zip(pieces, shapes)), flat)
 
     def copy_(self, other: "StepTensors") -> None:
-        for name in (f.name for f in fields(self)):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        self.flat.copy_(other.flat, non_blocking=True)
 
 
 class TensorKVView:
@@ -110,7 +127,10 @@ class StaticStep:
             self._function = torch.compile(step_logits, fullgraph=True, dynamic=False)
 
     def fits(self, num_rows: int, num_tokens: int) -> bool:
-        return num_rows <= self.row_buckets[-1] and num_tokens <= self.token_buckets[-1]
+        if num_rows > self.row_buckets[-1] or num_tokens > self.token_buckets[-1]:
+            return False
+        rows, tokens, _ = self.bucket(num_rows, num_tokens, False)
+        return rows * tokens <= max(MAX_BUCKET_TOKENS, self.row_buckets[-1])
 
     def bucket(self, num_rows: int, num_tokens: int, all_logits: bool) -> Bucket:
         rows = self.row_buckets[bisect.bisect_left(self.row_buckets, num_rows)]
@@ -121,40 +141,46 @@ class StaticStep:
                 parents: list[list[int] | None] | None = None) -> StepTensors:
         """The bucket's inputs: row b's token_ids[b] appended after its lengths[b] cached tokens
         (the sequences' blocks already cover them), as a chain or, where parents[b] says, a token
-        tree (`draftwise.cache.token_tree`)."""
+        tree (`draftwise.cache.token_tree`). Built on the host with numpy, sent in one copy."""
         num_rows, width, num_logits = bucket
         blocks, size = self.cache.blocks, self.cache.blocks.block_size
-        tokens, positions, slots, tables, picks, starts = [], [], [], [], [], []
+        tokens = np.zeros((num_rows, width), np.int64)
+        positions = np.zeros((num_rows, width), np.int64)
+        slots = np.full((num_rows, width), self.cache.scratch_slot, np.int64)
+        tables = np.zeros((num_rows, self.width), np.int64)
+        starts = np.zeros(num_rows, np.int64)
+        counts = np.zeros(num_rows, np.int64)
+        steps = np.arange(width)
         tree_paths: dict[int, list[list[int]]] = {}  # row -> [S][S] its queries' paths (trees only)
-        for b in range(num_rows):
-            real = b < len(rows)
-            ids = token_ids[b] if real else []
-            start = lengths[b] if real else 0
-            table = blocks.tables[rows[b]] if real else []
-            tokens.append(ids + [0] * (width - len(ids)))
-            row_parents = parents[b] if real and parents is not None else None
+        for b, (row, ids, start) in enumerate(zip(rows, token_ids, lengths)):
+            count = len(ids)
+            table = np.asarray(blocks.tables[row][:self.width], np.int64)
+            tokens[b, :count] = ids
+            starts[b], counts[b] = start, count
+            tables[b, :len(table)] = table
+            stored = start + steps[:count]  # where the new tokens are stored, in order
+            slots[b, :count] = table[stored // size] * size + stored % size
+            row_parents = parents[b] if parents is not None else None
             if row_parents is None:
-                positions.append([start + s if s < len(ids) else start for s in range(width)])
+                positions[b] = np.where(steps < count, start + steps, start)
             else:
-                depth = token_tree.depths(row_parents)
-                positions.append([start + depth[s] if s < len(ids) else start for s in range(width)])
-                row_paths = token_tree.paths(row_parents, start) + [[start]] * (width - len(ids))  # (padding)
+                positions[b, :count] = start + np.asarray(token_tree.depths(row_parents), np.int64)
+                positions[b, count:] = start
+                row_paths = token_tree.paths(row_parents, start) + [[start]] * (width - count)  # (padding)
                 tree_paths[b] = [path + [start] * (width - len(path)) for path in row_paths]
-            starts.append(start)
-            slots += [table[(start + s) // size] * size + (start + s) % size if s < len(ids)
-                      else self.cache.scratch_slot for s in range(width)]
-            tables.append(table[:self.width] + [0] * (self.width - len(table)))
-            picks += [b * width + max(len(ids) - 1, 0)] if num_logits == 1 else [b * width + s for s in range(width)]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        path_start = as_tensor(starts).repeat_interleave(width)  # [R*S]
+        if num_logits == 1:
+            picks = np.arange(num_rows) * width + np.maximum(counts - 1, 0)
+        else:
+            picks = np.arange(num_rows * width)
+        path_start = np.repeat(starts, width)  # [R*S]
         # A chain reads its keys in place: the path from the start on is the identity (entries past a
         # query's position are never read).
-        path = path_start[:, None] + torch.arange(width, device=self.device)  # [R*S, S]
+        path = path_start[:, None] + steps[None, :]  # [R*S, S]
         for b, row_paths in tree_paths.items():
-            path[b * width:(b + 1) * width] = as_tensor(row_paths)
-        return StepTensors(as_tensor(tokens), as_tensor(positions), as_tensor(slots), as_tensor(tables),
-                           torch.arange(num_rows, device=self.device).repeat_interleave(width), as_tensor(picks),
-                           path_start, path)
+            path[b * width:(b + 1) * width] = row_paths
+        flat = np.concatenate([tokens.ravel(), positions.ravel(), slots.ravel(), tables.ravel(),
+                               np.repeat(np.arange(num_rows), width), picks, path_start, path.ravel()])
+        return StepTensors.viewing(torch.from_numpy(flat).to(self.device), bucket, self.width)
 
     def run(self, bucket: Bucket, inputs: StepTensors) -> torch.Tensor:
         """Logits [R'*L', V] of the bucket (valid until the next run of the same bucket in "graph" mode)."""
@@ -164,17 +190,17 @@ class StaticStep:
         if self.mode != "graph":
             return self._function(self.model, self.cache, inputs)
         if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(inputs)
+            self._graphs[bucket] = self._capture(bucket, inputs)
         graph, static_inputs, static_logits = self._graphs[bucket]
         static_inputs.copy_(inputs)
         graph.replay()
         return static_logits
 
-    def _capture(self, inputs: StepTensors) -> tuple[torch.cuda.CUDAGraph, StepTensors, torch.Tensor]:
+    def _capture(self, bucket: Bucket, inputs: StepTensors) -> tuple[torch.cuda.CUDAGraph, StepTensors, torch.Tensor]:
         """Capture the bucket's step on a side stream, after one warm-up run (Triton compiles its
         kernels there; nothing may allocate or synchronize inside the capture). The warm-up runs on
         the real inputs: its writes are the step's own."""
-        static_inputs = StepTensors(*(getattr(inputs, f.name).clone() for f in fields(inputs)))
+        static_inputs = StepTensors.viewing(inputs.flat.clone(), bucket, self.width)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

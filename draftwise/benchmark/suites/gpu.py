@@ -22,6 +22,7 @@ weights.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -61,15 +62,19 @@ def run(settings: BenchSettings) -> SuiteReport:
     runners = {name: llm.runner for name, llm in llms.items()}
     step_name = f"draftwise, step mode {target.runner.step_mode or 'none (eager path)'}"
 
+    # Each figure is said as it is measured: a run cut short keeps them.
+    say = _say if settings.progress else lambda _, value, seconds=False: value
     weights = bytes_read_per_step(target.model)
     bandwidth = copy_bandwidth(device, megabytes=1024 if device.type == "cuda" else 256)
-    steps = {rows: forward_seconds(runners, rows, 1, CONTEXT, REPEATS) for rows in levels}
-    verify = {n: forward_seconds(runners, 1, n, CONTEXT, REPEATS) for n in VERIFY_SIZES}
-    reference = _reference(settings, target, device)
-    hf = ({rows: hf_step_seconds(target.model_folder, device, target.dtype, rows, CONTEXT) for rows in levels}
+    say("bandwidth", f"{bandwidth / 1e9:.0f} GB/s; {weights / 2**30:.2f} GiB read per step")
+    steps = {rows: say(f"step, {rows} rows", forward_seconds(runners, rows, 1, CONTEXT, REPEATS), True)
+             for rows in levels}
+    verify = {n: say(f"verify, n = {n}", forward_seconds(runners, 1, n, CONTEXT, REPEATS), True) for n in VERIFY_SIZES}
+    reference = say("reference", _reference(settings, target, device))
+    hf = (hf_step_seconds(target.model_folder, device, target.dtype, levels, CONTEXT, say=say)
           if "hf" in settings.peers else None)
-    self_drafting = {rows: _self_drafting(settings, target, rows, common) for rows in SELF_DRAFT_ROWS
-                     if rows <= rows_needed}
+    self_drafting = {rows: say(f"self-drafting, {rows} rows", _self_drafting(settings, target, rows, common))
+                     for rows in SELF_DRAFT_ROWS if rows <= rows_needed}
     costs = _write_costs(settings, target)
 
     data = {"device": _device_name(device), "dtype": str(target.dtype), "weights_bytes": weights,
@@ -89,6 +94,14 @@ def run(settings: BenchSettings) -> SuiteReport:
         "output must equal plain decoding's:", _self_drafting_table(self_drafting),
         f"Cost models measured here: {', '.join(costs)} in `{settings.output / 'costs'}`."])
     return SuiteReport("gpu", text, data)
+
+
+def _say(label: str, value, seconds: bool = False):
+    """One measurement on stderr as it comes (`seconds`: shown as ms); returns the value."""
+    as_ms = lambda v: f"{v * 1e3:.3f} ms" if seconds else v  # noqa: E731
+    shown = {name: as_ms(v) for name, v in value.items()} if isinstance(value, dict) else as_ms(value)
+    print(f"gpu suite: {label}: {shown}", file=sys.stderr, flush=True)
+    return value
 
 
 def _control(steps: dict, verify: dict) -> str:

@@ -128,6 +128,7 @@ def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer
 
         def target_pass(n: int) -> None:
             runner.forward([seq.row], [[filler] * n], [n])
+            runner.synchronize()  # (a GPU's pass is timed where it runs, not where it was queued)
             runner.truncate(seq.row, base)
 
         target, spread = _fastest_seconds({n: (lambda n=n: target_pass(n)) for n in TARGET_SIZES})

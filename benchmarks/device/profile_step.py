@@ -1,0 +1,54 @@
+"""Where a graph-replayed step's time goes on CUDA (random weights of a model's shape, bf16): for 1 row x 1
+token, 1 x 8 and 8 x 1, the runner's `forward` over 50 passes, the captured graph replayed alone, the GPU's
+busy time and kernels per pass under the torch profiler, the top kernels; for 1 x 1 also the host's ops.
+
+    python3 benchmarks/device/profile_step.py MODEL_FOLDER   # (on the device machine: run.sh with PROFILE=1)
+"""
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from draftwise.llm import LLM
+
+CONTEXT = 256
+llm = LLM(sys.argv[1], device="cuda", load_format="dummy", max_num_seqs=8, max_model_len=400, progress=False)
+runner = llm.runner
+print("step mode", runner.step_mode, "dtype", llm.dtype, flush=True)
+for rows, tokens in ((1, 1), (1, 8), (8, 1)):
+    handles = [runner.allocate() for _ in range(rows)]
+    for handle in handles:
+        runner.forward([handle], [[5 + i % 900 for i in range(CONTEXT)]], [1])
+
+    def one_pass():
+        runner.forward(handles, [[7] * tokens] * rows, [tokens] * rows)
+        runner.synchronize()
+        for handle in handles:
+            runner.truncate(handle, CONTEXT)
+
+    for _ in range(3):
+        one_pass()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            one_pass()
+    started = time.perf_counter()
+    for _ in range(50):
+        one_pass()
+    forward_ms = (time.perf_counter() - started) / 50 * 1e3
+    graph = runner.static_step._graphs[runner.static_step.bucket(rows, tokens, tokens > 1)][0]
+    started = time.perf_counter()
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay_ms = (time.perf_counter() - started) / 50 * 1e3
+    events = prof.key_averages()
+    on_gpu = [e for e in events if e.self_device_time_total > 0]
+    print(f"=== rows {rows} tokens {tokens}: forward {forward_ms:.3f} ms, graph replay alone {replay_ms:.3f} ms, "
+          f"GPU busy {sum(e.self_device_time_total for e in on_gpu) / 5e3:.3f} ms, "
+          f"{sum(e.count for e in on_gpu) / 5:.0f} kernels a pass", flush=True)
+    print(events.table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=70), flush=True)
+    if rows == 1 and tokens == 1:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=70), flush=True)
+    for handle in handles:
+        runner.free(handle)
