@@ -67,6 +67,32 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
 }
 
+// Two heads' weighted sums over the same value rows (value rows u = 0..count-1): acc0/acc1 [chunks x 16]
+// += w0[u] * v[u] and w1[u] * v[u], u in order. Each value chunk is loaded once for both heads; each
+// head's lanes see exactly the fused multiply-adds, in the order, of that head alone.
+template <int Chunks>
+inline void weighted_rows_pair(const float* const rows[16], int64_t count, const float* w0, const float* w1,
+                               float* acc0, float* acc1) {
+  __m512 a0[Chunks], a1[Chunks];
+  for (int c = 0; c < Chunks; ++c) {
+    a0[c] = _mm512_loadu_ps(acc0 + 16 * c);
+    a1[c] = _mm512_loadu_ps(acc1 + 16 * c);
+  }
+  for (int64_t u = 0; u < count; ++u) {
+    const __m512 weight0 = _mm512_set1_ps(w0[u]), weight1 = _mm512_set1_ps(w1[u]);
+    const float* v = rows[u];
+    for (int c = 0; c < Chunks; ++c) {
+      const __m512 value = _mm512_loadu_ps(v + 16 * c);
+      a0[c] = _mm512_fmadd_ps(weight0, value, a0[c]);
+      a1[c] = _mm512_fmadd_ps(weight1, value, a1[c]);
+    }
+  }
+  for (int c = 0; c < Chunks; ++c) {
+    _mm512_storeu_ps(acc0 + 16 * c, a0[c]);
+    _mm512_storeu_ps(acc1 + 16 * c, a1[c]);
+  }
+}
+
 // Up to kTile queries of one row over their keys, for the `group` heads sharing kv head `kv_head`
 // (each query's q rows consecutive): query i attends key indices 0..last[i], key index t being key
 // position first + t, read through the tree path from path_start on (one query a tile where there is
@@ -140,7 +166,14 @@ void attend_keys(int64_t count, const float* const q[kTile], const int64_t last[
     for (int64_t i = 0; i < count; ++i) {
       if (t > last[i]) continue;
       const int64_t end = t + 16 <= last[i] + 1 ? t + 16 : last[i] + 1;
-      for (int64_t h = 0; h < group; ++h) {
+      int64_t h = 0;
+      for (; h + 1 < group && (chunks == 8 || chunks == 4); h += 2) {  // heads in pairs: a value chunk read once
+        float* acc0 = acc_store[i] + h * d;
+        const float* w0 = scores[i] + h * width + t;
+        if (chunks == 8) weighted_rows_pair<8>(rows, end - t, w0, w0 + width, acc0, acc0 + d);
+        else weighted_rows_pair<4>(rows, end - t, w0, w0 + width, acc0, acc0 + d);
+      }
+      for (; h < group; ++h) {
         for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(acc_store[i] + h * d + 16 * c);
         for (int64_t u = t; u < end; ++u) {
           const __m512 weight = _mm512_set1_ps(scores[i][h * width + u]);
