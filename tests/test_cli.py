@@ -69,3 +69,13 @@ def test_serve_answers_the_openai_client_and_shuts_down_on_ctrl_c(tiny_qwen):
         server.send_signal(signal.SIGINT)
         _, stderr = server.communicate(timeout=60)
     assert server.returncode == 0 and "Traceback" not in stderr, stderr
+
+
+def test_building_the_parser_imports_no_server_packages():
+    """Every subcommand's flags are built without the server's packages (pydantic, FastAPI,
+    uvicorn): `draftwise bench` on a machine that has only torch and the engine's own needs (a GPU
+    machine that can fetch nothing) must not need them."""
+    check = ("import sys; from draftwise.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('pydantic', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]

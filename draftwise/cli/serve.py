@@ -14,7 +14,7 @@ API_KEY_ENV = "DRAFTWISE_API_KEY"
 
 
 def add_parser(commands) -> None:
-    from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
+    from draftwise.server import DEFAULT_MAX_REQUEST_BYTES  # (not the request models: a parser needs no pydantic)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     add_model_arguments(serve)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.params import SamplingParams
 from draftwise.sampling.structured_params import StructuredOutputsParams
+from draftwise.server import DEFAULT_MAX_REQUEST_BYTES
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from draftwise.server.structured import StructuredRequestError, requested_structure
 from draftwise.server.tools import ToolPlan, ToolRequestError, assistant_calls, plan_tools
@@ -57,7 +58,6 @@ class RequestError(Exception):
         self.headers = headers or {}
 
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
