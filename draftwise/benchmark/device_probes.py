@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,11 +39,10 @@ def forward_seconds(runners: dict[str, ModelRunner], rows: int, tokens: int, con
     try:
         for attempt in range(repeats + 2):  # two warm-ups: the first captures or compiles
             for name, runner in runners.items():
-                device = runner.device
-                synchronize(device)
+                runner.synchronize()
                 started = time.perf_counter()
                 runner.forward(handles[name], [[7] * tokens] * rows, [tokens] * rows)
-                synchronize(device)
+                runner.synchronize()
                 if attempt >= 2:
                     samples[name].append(time.perf_counter() - started)
                 for handle in handles[name]:
@@ -82,10 +82,11 @@ def reference_step(script: Path, config: Path, timeout: float = 600) -> dict | N
 
 
 def hf_step_seconds(folder: Path, device: torch.device, dtype: torch.dtype, levels: tuple[int, ...], context: int,
-                    steps: int = 10, say=lambda label, value, seconds=False: value) -> dict[int, float]:
+                    say: Callable, steps: int = 10) -> dict[int, float]:
     """Median seconds of one decoding step of Hugging Face transformers' eager forward (its own
     KV cache) at each number of rows in `levels`, after `context` tokens, the model built once on the
-    device from `folder`'s config.json with random weights (only the shape matters for time)."""
+    device from `folder`'s config.json with random weights (only the shape matters for time); each
+    level's figure goes through `say(label, seconds, True)` as it is measured."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)

@@ -8,8 +8,8 @@ backend implements the same methods without the speculation code noticing.
 
 Passes of up to 64 new tokens per row (decoding, verification, a draft's catch-up; 1,024 in all) go
 through a static-shape step (`static_step.py`) when `step_mode` names one: eager, compiled, or
-replayed as a CUDA graph; prompts on prompt kernels (`model/prompt_pass.py`, however short), layer-skipping passes
-and passes that capture hidden states run eagerly.
+replayed as a CUDA graph; prompts on prompt kernels (`model/prompt_pass.py`, however short),
+layer-skipping passes and passes that capture hidden states run eagerly.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def run(settings: BenchSettings) -> SuiteReport:
     step_name = f"draftwise, step mode {target.runner.step_mode or 'none (eager path)'}"
 
     # Each figure is said as it is measured: a run cut short keeps them.
-    say = _say if settings.progress else lambda _, value, seconds=False: value
+    say = _say if settings.progress else _quiet
     weights = bytes_read_per_step(target.model)
     bandwidth = copy_bandwidth(device, megabytes=1024 if device.type == "cuda" else 256)
     say("bandwidth", f"{bandwidth / 1e9:.0f} GB/s; {weights / 2**30:.2f} GiB read per step")
@@ -94,6 +94,10 @@ def run(settings: BenchSettings) -> SuiteReport:
         "output must equal plain decoding's:", _self_drafting_table(self_drafting),
         f"Cost models measured here: {', '.join(costs)} in `{settings.output / 'costs'}`."])
     return SuiteReport("gpu", text, data)
+
+
+def _quiet(label: str, value, seconds: bool = False):
+    return value
 
 
 def _say(label: str, value, seconds: bool = False):
