@@ -130,6 +130,22 @@ def test_a_build_with_only_the_int8_activation_kernels_takes_them_without_measur
     assert not activation_choice.int8_activations("int4", 200, 200)  # K not a multiple of 32: PyTorch's kernel
 
 
+def test_a_burst_of_load_during_the_measurement_does_not_decide_the_choice():
+    """The machine is busy (every run 10x slower) for the first half of the runs: the kernel that is
+    faster on a quiet machine must still come out faster (timing one kernel's runs all before the
+    other's read the busy kernel as the slow one)."""
+    now, runs = [0.0], [0]
+
+    def kernel(seconds):
+        def run():
+            now[0] += seconds * (10 if runs[0] < 2 + activation_choice.ROUNDS else 1)  # (2: the untimed runs)
+            runs[0] += 1
+        return run
+
+    fast, slow = activation_choice.fastest_alternating(kernel(1.0), kernel(2.0), clock=lambda: now[0])
+    assert (fast, slow) == (1.0, 2.0)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_real_measurement_times_both_kernels(kind):
     if not has_bf16_kernels():
