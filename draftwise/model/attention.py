@@ -65,15 +65,23 @@ class Attention(nn.Module):
         cache: KVCacheView | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim)  # [B, S, Hq, D]
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, D]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, S, D], [B, Hkv, S, D]
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)  # [B, S, (Hq + 2 Hkv) D]
+        v = qkv[..., -self.split_sizes[2]:].view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None and self._rotates_in_one_kernel(qkv, cos):  # the GPU's: 1 kernel instead of 12
+            from draftwise.model import triton_rotary
+            q, k = triton_rotary.rotate_queries_and_keys(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                                         self.head_dim)  # [B*S, Hq, D], [B*S, Hkv, D]
+            q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
+            k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        else:
+            q, k, _ = qkv.split(self.split_sizes, dim=-1)
+            q = q.view(batch, seq, self.num_heads, self.head_dim)  # [B, S, Hq, D]
+            k = k.view(batch, seq, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, D]
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, S, D], [B, Hkv, S, D]
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
 
         if cache is None:
             key_positions = positions[:, None, None, :]  # [B, 1, 1, S]
@@ -87,3 +95,11 @@ class Attention(nn.Module):
             cache.write(self.layer_index, k, v)
             out = cache.attend(self.layer_index, q, positions, scale=self.scale, window=self.window)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _rotates_in_one_kernel(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+        """On CUDA, where Triton is: the queries and keys rotated by `model/triton_rotary.py` (the same
+        bits as `apply_rotary`'s ops, in the token-major layout the cache and attention kernels read)."""
+        if not qkv.is_cuda or self.qk_norm or cos.dtype != qkv.dtype or self.head_dim & (self.head_dim - 1):
+            return False
+        from draftwise.model import triton_rotary  # (Triton only where there is a GPU: ~70 MB resident)
+        return triton_rotary.available()

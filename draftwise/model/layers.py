@@ -64,6 +64,10 @@ class SwiGLU(nn.Module):
         if self.activation == "gelu_tanh":
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if gate_up.is_cuda:
+            from draftwise.model import triton_silu_mul  # (Triton only where there is a GPU: ~70 MB resident)
+            if triton_silu_mul.available():
+                return self.down_proj(triton_silu_mul.silu_mul(gate_up))  # one kernel instead of two
         if native_layer_ops.usable(gate_up):
             flat = gate_up.reshape(-1, 2 * self.intermediate_size).contiguous()  # [N, 2I]
             hidden = native_layer_ops.layer_ops().silu_mul(flat).view(*gate_up.shape[:-1], self.intermediate_size)
