@@ -1,6 +1,7 @@
-"""The Triton RMSNorm (the GPU's): against the torch path and for batch invariance (a row's output
-alone equals its output among others), in Triton's interpreter on the CPU (fp32: the interpreter
-has no bf16) and on CUDA where there is one (bf16 and fp32)."""
+"""The Triton RMSNorm (the GPU's), alone and with the residual add before it: against the torch path
+and for batch invariance (a row's output alone equals its output among others), in Triton's
+interpreter on the CPU (fp32: the interpreter has no bf16) and on CUDA where there is one (bf16 and
+fp32)."""
 
 import os
 import subprocess
@@ -15,7 +16,7 @@ pytest.importorskip("triton")
 CHECK = textwrap.dedent("""
     import torch
     from draftwise.model.layers import RMSNorm
-    from draftwise.model.triton_rmsnorm import rms_norm
+    from draftwise.model.triton_rmsnorm import add_rms_norm, rms_norm
     device, dtype = "{device}", getattr(torch, "{dtype}")
     torch.manual_seed(0)
     norm = RMSNorm(1536, 1e-6)
@@ -34,6 +35,15 @@ CHECK = textwrap.dedent("""
             assert torch.equal(rms_norm(x[r:r + 1, :s + 1], norm.weight, norm.eps), together[r:r + 1, :s + 1]), (r, s)
     if device == "cuda":  # the module takes the kernel on CUDA
         assert torch.equal(norm(x), together)
+    # The residual add fused in front: the sum as torch's add rounds it, its norm as the kernel above
+    residual = (3 * torch.randn(6, 9, 1536)).to(device, dtype)
+    total, normed = add_rms_norm(residual, x, norm.weight, norm.eps)
+    assert torch.equal(total, residual + x) and torch.equal(normed, rms_norm(residual + x, norm.weight, norm.eps))
+    alone_total, alone_normed = add_rms_norm(residual[2:3, 4:5], x[2:3, 4:5], norm.weight, norm.eps)
+    assert torch.equal(alone_total, total[2:3, 4:5]) and torch.equal(alone_normed, normed[2:3, 4:5])
+    if device == "cuda":  # a decoder layer takes it on CUDA
+        from draftwise.model.layers import add_and_norm
+        assert all(torch.equal(a, b) for a, b in zip(add_and_norm(residual, x, norm), (total, normed)))
     print("ok", worst)
 """)
 

@@ -211,7 +211,8 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, new_
     """One layer's storage keys, values [slots, Hkv, D] take a pass's new_keys, new_values
     [B, Hkv, S, D] at `slots` [B*S], in place. Inside a compiled graph this is one op that says it
     mutates its arguments: otherwise the compiler copies the whole cache around every layer's
-    write (which made a compiled step 5x slower); eagerly, `index_copy_` directly (no dispatch)."""
+    write (which made a compiled step 5x slower); eagerly, `index_copy_` directly (no dispatch), or on
+    CUDA one Triton kernel for both (`triton_kv_write.py`)."""
     new_keys, new_values = new_keys.transpose(1, 2).flatten(0, 1), new_values.transpose(1, 2).flatten(0, 1)
     if torch.compiler.is_compiling():
         _write_kv_op(keys, values, slots, new_keys, new_values)
@@ -220,6 +221,11 @@ def write_kv(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, new_
 
 
 def _index_copy(keys, values, slots, new_keys, new_values) -> None:
+    if keys.is_cuda:
+        from draftwise.cache import triton_kv_write  # (Triton only where there is a GPU: ~70 MB resident)
+        if triton_kv_write.available() and triton_kv_write.fits(keys, new_keys, new_values):
+            triton_kv_write.write(keys, values, slots, new_keys, new_values)  # one kernel, not two
+            return
     keys.index_copy_(0, slots, new_keys)
     values.index_copy_(0, slots, new_values)
 

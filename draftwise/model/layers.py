@@ -1,5 +1,5 @@
-"""Building blocks of a decoder: RMSNorm, rotary embedding, the gated MLP (SwiGLU, or GeGLU with
-Gemma's tanh-approximated GELU)."""
+"""Building blocks of a decoder: RMSNorm (and the residual add before it), rotary embedding, the gated
+MLP (SwiGLU, or GeGLU with Gemma's tanh-approximated GELU)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,17 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def add_and_norm(x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + delta [..., H], and `norm` of it: on the GPU one kernel (`triton_rmsnorm.add_rms_norm`, the
+    bits of the add, then the norm's kernel), elsewhere the two ops."""
+    if x.is_cuda and norm.weight.dtype == x.dtype == delta.dtype:
+        from draftwise.model import triton_rmsnorm  # (Triton only where there is a GPU: ~70 MB resident)
+        if triton_rmsnorm.available():
+            return triton_rmsnorm.add_rms_norm(x, delta, norm.weight, norm.eps)
+    x = x + delta
+    return x, norm(x)
 
 
 def rotary_cos_sin(

@@ -15,7 +15,7 @@ from torch import nn
 
 from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
-from draftwise.model.layers import RMSNorm, SwiGLU
+from draftwise.model.layers import RMSNorm, SwiGLU, add_and_norm
 from draftwise.model import native_decoder
 from draftwise.model.prompt_pass import prompt_pass
 from draftwise.model.moe import SparseMoE
@@ -36,8 +36,9 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, x, positions, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
+        x, normed = add_and_norm(x, attended, self.post_attention_layernorm)  # (the GPU's: one kernel)
+        return x + self.mlp(normed)
 
 
 class SandwichDecoderLayer(nn.Module):

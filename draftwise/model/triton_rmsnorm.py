@@ -7,6 +7,10 @@ reason a target drafting for itself had drafts rejected in bf16. Here each progr
 row (the hidden size rounded up to a power of two) and reduces it with one `tl.sum`, the same
 instructions for every row whatever the grid: a row's result never depends on its neighbours.
 
+`add_rms_norm` also adds the residual first (x + delta, rounded to the dtype as torch's add rounds),
+writing both the sum and its norm in one launch: a decoder layer's attention output joins the
+residual stream and is normed for the MLP in one kernel instead of two.
+
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 
@@ -27,17 +31,34 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        columns = tl.arange(0, BLOCK)
-        inside = columns < hidden
-        x = tl.load(x_ptr + row * stride_x + columns, mask=inside, other=0.0).to(tl.float32)  # [BLOCK]
+    def _normalize_and_store(x, weight_ptr, out_ptr, columns, inside, hidden, eps):
+        """x [BLOCK] float32, one row (zero past `hidden`): its norm scaled by the weight, stored."""
         mean_square = tl.sum(x * x, axis=0) / hidden
         normed = x * tl.rsqrt(mean_square + eps)
         weight = tl.load(weight_ptr + columns, mask=inside, other=0.0)
         # As the torch path: normalize in fp32, round to the input's dtype, then scale by the weight.
         out = weight * normed.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_out + columns, out.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + columns, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_out, hidden, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        columns = tl.arange(0, BLOCK)
+        inside = columns < hidden
+        x = tl.load(x_ptr + row * stride_x + columns, mask=inside, other=0.0).to(tl.float32)  # [BLOCK]
+        _normalize_and_store(x, weight_ptr, out_ptr + row * stride_out, columns, inside, hidden, eps)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, stride_x, stride_delta, stride_out,
+                             hidden, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        columns = tl.arange(0, BLOCK)
+        inside = columns < hidden
+        x = tl.load(x_ptr + row * stride_x + columns, mask=inside, other=0.0).to(tl.float32)  # [BLOCK]
+        delta = tl.load(delta_ptr + row * stride_delta + columns, mask=inside, other=0.0).to(tl.float32)
+        total = (x + delta).to(sum_ptr.dtype.element_ty)  # torch's add: in fp32, rounded to the dtype
+        tl.store(sum_ptr + row * stride_out + columns, total, mask=inside)
+        _normalize_and_store(total.to(tl.float32), weight_ptr, out_ptr + row * stride_out, columns, inside, hidden, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,3 +70,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), rows.shape[1], eps,
                                        BLOCK=triton.next_power_of_2(rows.shape[1]))
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + delta [..., H] and its rows normed and scaled by weight [H]: ([..., H], [..., H])."""
+    rows, deltas = x.reshape(-1, x.shape[-1]), delta.reshape(-1, delta.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if deltas.stride(-1) != 1:
+        deltas = deltas.contiguous()
+    total, out = torch.empty_like(rows), torch.empty_like(rows)
+    _add_rms_norm_kernel[(rows.shape[0],)](rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0),
+                                           out.stride(0), rows.shape[1], eps,
+                                           BLOCK=triton.next_power_of_2(rows.shape[1]))
+    return total.view(x.shape), out.view(x.shape)
