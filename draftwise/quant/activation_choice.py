@@ -9,9 +9,20 @@ and greedy speculation would no longer equal plain decoding. The measurement the
 passes that matter, one row (decoding, memory bound) and VERIFY_ROWS rows (verification, compute
 bound), and int8 activations are taken where their total is lower.
 
-The choice is cached per machine build (the kernels' source digest and the thread count) under the
-draftwise cache, written under a lock, so that every process on the machine (a benchmark's workers,
-a server's replicas) computes with the same kernel and produces the same tokens.
+The choice is cached per machine build (the kernels' source digest) under the draftwise cache,
+written under a lock, so that every process on the machine (a benchmark's workers, a server's
+replicas, whatever their thread counts) computes with the same kernel and produces the same tokens.
+
+Both kernels are timed on one thread. On a machine shared with busy processes a run on two threads
+waits at each of its barriers for a descheduled thread: every run then takes a scheduler time slice
+(~7 ms, for kernels of 0.1-1 ms quiet; the int8 path's two parallel regions, quantization then the
+product, twice that), so the timings said nothing and the choice, cached for good, came out bf16 (a
+4-5x slower kernel there) for the 0.5B's 9728x896 layer in 4 of 4 such measurements and for the
+1.5B's 2048x1536 int8 QKV in 2 of 4 (2026-11-28, Intel Xeon). One thread has no barrier: beside the
+same two busy processes its timings were within 10% of quiet ones, and chose as quiet ones do.
+The kernels give each thread whole strips of output channels, the same loop whatever the count, so
+the one-thread ratio is the many-thread one (int4 9728x896: int8 at 0.27x / 0.18x of bf16 at 1 / 8
+rows on one thread, 0.27x / 0.19x on two).
 
 Measured on this project's AMD EPYC (2 threads; BENCHMARKS.md, the kernels issue): for int8 weights,
 int8 activations took 0.71x the time of bf16 for the 151936x1536 LM head at 8 rows, 0.62x for
@@ -67,7 +78,7 @@ def _choice(kind: str, out_features: int, in_features: int) -> bool:
 
 
 def choices_path() -> Path:
-    return cache_root() / "kernels" / f"int8-activations-{source_digest()}-threads{torch.get_num_threads()}.json"
+    return cache_root() / "kernels" / f"int8-activations-{source_digest()}.json"
 
 
 def _read(path: Path) -> dict:
@@ -79,8 +90,8 @@ def _read(path: Path) -> dict:
 
 
 def measure(kind: str, out_features: int, in_features: int) -> dict:
-    """Both kernels on random weights of this kind and shape at 1 and VERIFY_ROWS rows: the fastest
-    of a few runs each (ms), and the choice."""
+    """Both kernels on random weights of this kind and shape at 1 and VERIFY_ROWS rows, on one
+    thread: the fastest of ROUNDS runs each (ms), and the choice."""
     from draftwise.quant.linear import STRIP, pack_for_native, pack_int8_strips, pack_strips
 
     native = kernels()
@@ -99,9 +110,15 @@ def measure(kind: str, out_features: int, in_features: int) -> dict:
         with_bf16 = lambda x: native.int4_matmul(x.to(torch.bfloat16), nibbles, scale_min, out_features)  # noqa: E731
         with_int8 = lambda x: native.int4_matmul_q8(x, strips, out_features)  # noqa: E731
     timings = {}
-    for rows in (1, VERIFY_ROWS):
-        x = torch.randn(rows, in_features, generator=generator)
-        timings[f"bf16 {rows}"], timings[f"int8 {rows}"] = fastest_alternating(lambda: with_bf16(x), lambda: with_int8(x))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (see the module's docstring: timings on more threads mean nothing on a busy machine)
+    try:
+        for rows in (1, VERIFY_ROWS):
+            x = torch.randn(rows, in_features, generator=generator)
+            timings[f"bf16 {rows}"], timings[f"int8 {rows}"] = fastest_alternating(lambda: with_bf16(x),
+                                                                                   lambda: with_int8(x))
+    finally:
+        torch.set_num_threads(threads)
     int8_total = sum(t for name, t in timings.items() if name.startswith("int8"))
     bf16_total = sum(t for name, t in timings.items() if name.startswith("bf16"))
     return {"int8": int8_total < bf16_total, **{name: round(t * 1e3, 4) for name, t in timings.items()}}
