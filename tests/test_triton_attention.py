@@ -1,13 +1,12 @@
 """The Triton paged-attention kernel (the GPU's): against SDPA and for batch invariance, in Triton's
 interpreter on the CPU (a subprocess with TRITON_INTERPRET=1), and on CUDA where there is one."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.triton_checks import run_check
 
 pytest.importorskip("triton")
 
@@ -92,15 +91,10 @@ CHECK = textwrap.dedent("""
 
 
 def test_the_triton_kernel_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", CHECK.format(device="cpu")], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+    run_check(CHECK, interpreted=True, device="cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_triton_kernel_on_cuda():
-    result = subprocess.run([sys.executable, "-c", CHECK.format(device="cuda")], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
+    run_check(CHECK, interpreted=False, device="cuda")

@@ -2,13 +2,12 @@
 token-major layouts a pass produces (values a strided view of the QKV output), in Triton's
 interpreter on the CPU and on CUDA where there is one, where the cache write takes it."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.triton_checks import run_check
 
 pytest.importorskip("triton")
 
@@ -40,18 +39,13 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def run_check(device: str, dtype: str, env: dict) -> None:
-    result = subprocess.run([sys.executable, "-c", CHECK.format(device=device, dtype=dtype)], capture_output=True,
-                            text=True, env=env, timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
-
 
 def test_the_triton_cache_write_in_the_interpreter():
-    run_check("cpu", "float32", {**os.environ, "TRITON_INTERPRET": "1"})
+    run_check(CHECK, interpreted=True, device="cpu", dtype="float32")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_triton_cache_write_on_cuda(dtype):
-    run_check("cuda", dtype, dict(os.environ))
+    run_check(CHECK, interpreted=False, device="cuda", dtype=dtype)

@@ -2,13 +2,12 @@
 row's output alone equals its output among others, bit for bit), in Triton's interpreter on the CPU
 and on CUDA where there is one; and a float32 CUDA model takes it for every linear layer."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.triton_checks import run_check
 
 pytest.importorskip("triton")
 
@@ -35,20 +34,15 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def run_check(device: str, env: dict) -> None:
-    result = subprocess.run([sys.executable, "-c", CHECK.format(device=device)], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
-
 
 def test_the_triton_linear_in_the_interpreter():
-    run_check("cpu", {**os.environ, "TRITON_INTERPRET": "1"})
+    run_check(CHECK, interpreted=True, device="cpu")
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_triton_linear_on_cuda():
-    run_check("cuda", dict(os.environ))
+    run_check(CHECK, interpreted=False, device="cuda")
 
 
 @pytest.mark.cuda

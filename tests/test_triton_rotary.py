@@ -3,13 +3,12 @@ independence, in Triton's interpreter on the CPU (fp32: the interpreter has no b
 there is one (bf16 and fp32); and a model whose attention takes it computes the logits it computed
 op by op."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.triton_checks import run_check
 
 pytest.importorskip("triton")
 
@@ -70,22 +69,17 @@ MODEL_CHECK = textwrap.dedent("""
 """)
 
 
-def run_check(check: str, env: dict, **values) -> None:
-    result = subprocess.run([sys.executable, "-c", check.format(**values)], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0 and result.stdout.startswith("ok"), result.stderr[-2000:]
-
 
 def test_the_triton_rotary_in_the_interpreter():
-    run_check(KERNEL_CHECK, {**os.environ, "TRITON_INTERPRET": "1"}, device="cpu", dtype="float32")
+    run_check(KERNEL_CHECK, interpreted=True, device="cpu", dtype="float32")
 
 
 def test_a_model_taking_the_kernel_computes_the_same_logits_in_the_interpreter(tiny_qwen):
-    run_check(MODEL_CHECK, {**os.environ, "TRITON_INTERPRET": "1"}, model=tiny_qwen)
+    run_check(MODEL_CHECK, interpreted=True, model=tiny_qwen)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_the_triton_rotary_on_cuda(dtype):
-    run_check(KERNEL_CHECK, dict(os.environ), device="cuda", dtype=dtype)
+    run_check(KERNEL_CHECK, interpreted=False, device="cuda", dtype=dtype)
