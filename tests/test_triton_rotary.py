@@ -62,7 +62,8 @@ MODEL_CHECK = textwrap.dedent("""
 
     op_by_op = logits()
     taken = []
-    Attention._rotates_in_one_kernel = lambda self, qkv, cos: taken.append(1) or True
+    from draftwise.model import triton_rotary
+    Attention._one_kernel_rotation = lambda self, qkv, cos: taken.append(1) or triton_rotary
     fused = logits()
     assert taken and all(torch.equal(a, b) for a, b in zip(op_by_op, fused))
     print("ok")

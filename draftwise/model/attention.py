@@ -67,10 +67,10 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, S, (Hq + 2 Hkv) D]
         v = qkv[..., -self.split_sizes[2]:].view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if cache is not None and self._rotates_in_one_kernel(qkv, cos):  # the GPU's: 1 kernel instead of 12
-            from draftwise.model import triton_rotary
-            q, k = triton_rotary.rotate_queries_and_keys(qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                                         self.head_dim)  # [B*S, Hq, D], [B*S, Hkv, D]
+        one_kernel = self._one_kernel_rotation(qkv, cos) if cache is not None else None
+        if one_kernel is not None:  # the GPU's: 1 kernel instead of 12
+            q, k = one_kernel.rotate_queries_and_keys(qkv, cos, sin, self.num_heads, self.num_kv_heads,
+                                                      self.head_dim)  # [B*S, Hq, D], [B*S, Hkv, D]
             q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
             k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         else:
@@ -96,10 +96,11 @@ class Attention(nn.Module):
             out = cache.attend(self.layer_index, q, positions, scale=self.scale, window=self.window)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def _rotates_in_one_kernel(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
-        """On CUDA, where Triton is: the queries and keys rotated by `model/triton_rotary.py` (the same
-        bits as `apply_rotary`'s ops, in the token-major layout the cache and attention kernels read)."""
+    def _one_kernel_rotation(self, qkv: torch.Tensor, cos: torch.Tensor):
+        """On CUDA, where Triton is: `model/triton_rotary.py`, which rotates the queries and keys in one
+        kernel (the same bits as `apply_rotary`'s ops, in the token-major layout the cache and attention
+        kernels read); else None."""
         if not qkv.is_cuda or self.qk_norm or cos.dtype != qkv.dtype or self.head_dim & (self.head_dim - 1):
-            return False
+            return None
         from draftwise.model import triton_rotary  # (Triton only where there is a GPU: ~70 MB resident)
-        return triton_rotary.available()
+        return triton_rotary if triton_rotary.available() else None

@@ -126,10 +126,9 @@ def measure(kind: str, out_features: int, in_features: int) -> dict:
 
 def fastest_alternating(first, second, clock=time.perf_counter) -> tuple[float, float]:
     """The fastest of ROUNDS runs of each, the two taking turns (which goes first alternating), after
-    one untimed run each. A machine busy for part of the measurement (another process, a benchmark's
-    worker starting) then slows both alike: the choice is cached for every later process, and
-    timing one kernel's runs all before the other's let a burst of load decide it (a test suite
-    beside two busy processes chose bf16 or int8 for the same shape at random)."""
+    one untimed run each: a burst of load during part of the measurement (a benchmark's worker
+    starting beside it) slows both alike, where timing one kernel's runs all before the other's let
+    the burst decide a choice that is cached for every later process."""
     first(), second()
     best = [float("inf"), float("inf")]
     runs = (first, second)
