@@ -63,9 +63,7 @@ if triton is not None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H] normalized row by row and scaled by weight [H] (same dtype as x): [..., H]."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), rows.shape[1], eps,
                                        BLOCK=triton.next_power_of_2(rows.shape[1]))
@@ -75,13 +73,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x + delta [..., H] and its rows normed and scaled by weight [H]: ([..., H], [..., H])."""
-    rows, deltas = x.reshape(-1, x.shape[-1]), delta.reshape(-1, delta.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if deltas.stride(-1) != 1:
-        deltas = deltas.contiguous()
+    rows, deltas = _rows(x), _rows(delta)
     total, out = torch.empty_like(rows), torch.empty_like(rows)
     _add_rms_norm_kernel[(rows.shape[0],)](rows, deltas, weight, total, out, rows.stride(0), deltas.stride(0),
                                            out.stride(0), rows.shape[1], eps,
                                            BLOCK=triton.next_power_of_2(rows.shape[1]))
     return total.view(x.shape), out.view(x.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] as rows [N, H] whose elements are adjacent (what the kernels index)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
