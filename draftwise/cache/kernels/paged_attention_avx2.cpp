@@ -71,6 +71,21 @@ inline __m256 dots8(const float* q, const float* const keys[8], int64_t d) {
   return lane_sums(acc);
 }
 
+// One head's weighted sum over a block's value rows (u = 0..count-1): acc [Chunks x 8] += w[u] * v[u],
+// u in order, the sums kept in registers over the block (a runtime number of chunks would keep
+// them in memory: a load and a store per multiply-add).
+template <int Chunks>
+inline void weighted_rows(const float* const rows[kLanes], int64_t count, const float* w, int64_t offset, float* acc) {
+  __m256 a[Chunks];
+  for (int c = 0; c < Chunks; ++c) a[c] = _mm256_loadu_ps(acc + kLanes * c);
+  for (int64_t u = 0; u < count; ++u) {
+    const __m256 weight = _mm256_set1_ps(w[u]);
+    const float* v = rows[u] + offset;
+    for (int c = 0; c < Chunks; ++c) a[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + kLanes * c), a[c]);
+  }
+  for (int c = 0; c < Chunks; ++c) _mm256_storeu_ps(acc + kLanes * c, a[c]);
+}
+
 // All ones in the first `count` lanes (at least one), zeros after.
 inline __m256i first_lanes(int64_t count) {
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -120,19 +135,17 @@ void attend_group(const float* q, const float* keys, const float* values, const 
   }
   const int64_t chunks = d / kLanes;
   for (int64_t i = 0; i < group * d; ++i) acc_store[i] = 0.0f;
-  __m256 acc[32];  // head_dim up to 256
   const float* rows[kLanes];  // the block's value rows, looked up once for every head
   for (int64_t t = 0; t <= position; t += kLanes) {  // each output lane accumulates over t in order
     const int64_t end = t + kLanes <= position + 1 ? t + kLanes : position + 1;
     for (int64_t u = t; u < end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
     for (int64_t h = 0; h < group; ++h) {
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_loadu_ps(acc_store + h * d + kLanes * c);
-      for (int64_t u = t; u < end; ++u) {
-        const __m256 weight = _mm256_set1_ps(scores[h * width + u]);
-        const float* v = rows[u - t];
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + kLanes * c), acc[c]);
-      }
-      for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(acc_store + h * d + kLanes * c, acc[c]);
+      const float* w = scores + h * width + t;
+      float* acc = acc_store + h * d;
+      int64_t c = 0;  // eight chunks at a time (eight accumulators and a value fit AVX2's 16 registers), then the rest
+      for (; c + 8 <= chunks; c += 8) weighted_rows<8>(rows, end - t, w, kLanes * c, acc + kLanes * c);
+      if (c + 4 <= chunks) weighted_rows<4>(rows, end - t, w, kLanes * c, acc + kLanes * c), c += 4;
+      if (c + 2 <= chunks) weighted_rows<2>(rows, end - t, w, kLanes * c, acc + kLanes * c), c += 2;
     }
   }
   for (int64_t h = 0; h < group; ++h) {
