@@ -8,6 +8,7 @@ import torch
 
 from draftwise import LLM
 from draftwise.model import native_decoder
+from draftwise.model.part_changes import part_changes
 from draftwise.model.transformer import DecoderLayer
 from tests.tiny_models import write_tiny_model
 
@@ -78,6 +79,23 @@ def test_a_replaced_part_rebuilds_the_native_layer(tiny_qwen):
     torch.nn.init.zeros_(mlp.down_proj.weight)
     assert model.native_layer(0) is not before
     native, python = native_and_python(llm)  # the new (zero) weights in both paths
+    assert all(torch.equal(a, b) for a, b in zip(native, python))
+
+
+def test_passes_look_at_a_layers_parts_only_after_some_part_was_assigned(tiny_qwen, monkeypatch):
+    llm = LLM(str(tiny_qwen), max_model_len=128, max_num_seqs=2, progress=False, quantization="int4")
+    model = llm.runner.model
+    passes(llm)  # (every native layer built)
+    changes, before = part_changes(), model.native_layer(0)
+    looked_at = []
+    original = DecoderLayer.__getattr__
+    monkeypatch.setattr(DecoderLayer, "__getattr__", lambda self, name: looked_at.append(name) or original(self, name))
+    passes(llm)
+    assert part_changes() == changes and looked_at == []  # passes assign nothing; no layer's parts read
+    model.layers[0].post_attention_layernorm.weight = torch.nn.Parameter(torch.zeros(model.config.hidden_size))
+    assert part_changes() > changes
+    assert model.native_layer(0) is not before
+    native, python = native_and_python(llm)  # (rebuilt with the new weight: both paths compute it)
     assert all(torch.equal(a, b) for a, b in zip(native, python))
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import RMSNorm, apply_rotary
+from draftwise.model.part_changes import TracksPartChanges
 
 
 class KVCacheView(Protocol):
@@ -37,7 +38,7 @@ class KVCacheView(Protocol):
     # (a view without it, or answering None, has every layer run in Python).
 
 
-class Attention(nn.Module):
+class Attention(TracksPartChanges):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index

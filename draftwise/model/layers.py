@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftwise.model import native_layer_ops
+from draftwise.model.part_changes import TracksPartChanges
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(TracksPartChanges):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -59,7 +60,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(TracksPartChanges):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matrix product; act is silu
     (SwiGLU) or, with activation "gelu_tanh", GELU's tanh approximation (Gemma's GeGLU)."""
 

@@ -17,12 +17,13 @@ from draftwise.model.attention import Attention, KVCacheView
 from draftwise.model.config import ModelConfig
 from draftwise.model.layers import RMSNorm, SwiGLU, add_and_norm
 from draftwise.model import native_decoder
+from draftwise.model.part_changes import TracksPartChanges, part_changes
 from draftwise.model.prompt_pass import prompt_pass
 from draftwise.model.moe import SparseMoE
 from draftwise.model.rope import cos_sin, inverse_frequencies
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(TracksPartChanges):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -77,7 +78,8 @@ class Transformer(nn.Module):
             self._local_inv_freq, _ = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
         self._local_rope = [config.is_sliding(i) and config.local_rope_theta is not None
                          for i in range(config.num_hidden_layers)]
-        self._native_built: dict[int, tuple[tuple, object]] = {}  # layer index -> (built from, native layer or None)
+        # layer index -> (part changes when checked, the parts, the native layer or None)
+        self._native_built: dict[int, tuple[int, tuple, object]] = {}
         self.native_layers = native_decoder.wanted()  # False: every layer in Python (to compare the two)
         self._prompt_kernels = False  # prompts take the layers' prompt kernels (`prompt_pass.py`; set by its LLM)
 
@@ -87,17 +89,24 @@ class Transformer(nn.Module):
 
     def native_layer(self, index: int):
         """Layer `index` as one native call (`native_decoder.py`), or None where it has no native form;
-        built again when its parts were replaced (quantization swaps modules)."""
-        layer = self.layers[index]
-        if type(layer) is not DecoderLayer:
-            return None
-        attention, mlp = layer.self_attn, layer.mlp
-        parts = (attention.qkv_proj, attention.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None),
-                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        built again when its parts were replaced (quantization swaps modules), which is looked at
+        only when some layer's part was assigned since (`part_changes`)."""
         built = self._native_built.get(index)
-        if built is None or any(a is not b for a, b in zip(built[0], parts)):
-            built = self._native_built[index] = (parts, native_decoder.build_layer(layer, self.config))
-        return built[1]
+        if built is not None and built[0] == part_changes():
+            return built[2]
+        layer = self.layers[index]
+        parts = None
+        if type(layer) is DecoderLayer:
+            attention, mlp = layer.self_attn, layer.mlp
+            parts = (attention.qkv_proj, attention.o_proj, getattr(mlp, "gate_up_proj", None),
+                     getattr(mlp, "down_proj", None), layer.input_layernorm.weight,
+                     layer.post_attention_layernorm.weight)
+        if built is None or parts is None or any(a is not b for a, b in zip(built[1], parts)):
+            native = None if parts is None else native_decoder.build_layer(layer, self.config)
+        else:
+            native = built[2]
+        self._native_built[index] = (part_changes(), parts or (), native)
+        return native
 
     def rotary(self, positions: torch.Tensor, dtype: torch.dtype, *,
                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,8 +161,9 @@ class Transformer(nn.Module):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
         native_pass = self._native_pass(cache, x) if native else None
         captured: dict[int, torch.Tensor] = {}
-        for index in range(len(self.layers) if num_layers is None else min(num_layers, len(self.layers))):
-            layer = self.layers[index]  # (not a slice: slicing a ModuleList builds a new one, every pass)
+        layers = list(self.layers._modules.values())  # (not a slice: slicing a ModuleList builds a new one, every pass)
+        for index in range(len(layers) if num_layers is None else min(num_layers, len(layers))):
+            layer = layers[index]
             native_layer = None if native_pass is None else self.native_layer(index)
             if native_layer is not None:
                 x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
