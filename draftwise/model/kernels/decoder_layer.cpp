@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cstring>
 #include <vector>
 
 namespace py = pybind11;
@@ -42,6 +43,33 @@ torch::Tensor onednn_linear(const torch::Tensor& rows, const torch::Tensor& pack
   op.callBoxed(&stack);
   const torch::Tensor out = stack[0].toTensor();
   return m == 1 ? out.narrow(0, 0, 1) : out;
+}
+
+// Each new token's keys and values to its slot: keys, values [slots, Hkv, D] float, contiguous (one
+// layer's storage); k [B, Hkv, S, D] contiguous (the rotary's output), v [B, S, Hkv, D] (a view of the
+// QKV output, D contiguous); slots [B*S]. What the Python layer's index_copy_ stores (a copy), without
+// two dispatched operations a layer.
+void write_kv(const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& slots, const torch::Tensor& k,
+              const torch::Tensor& v) {
+  const int64_t b = k.size(0), heads = k.size(1), s = k.size(2), d = k.size(3), count = keys.size(0);
+  TORCH_CHECK(keys.scalar_type() == torch::kFloat32 && values.scalar_type() == torch::kFloat32 && keys.is_contiguous() &&
+                  values.is_contiguous() && k.is_contiguous() && v.stride(3) == 1 && slots.numel() == b * s &&
+                  slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "write_kv: float32 contiguous storage, keys [B, Hkv, S, D], values [B, S, Hkv, D], slots [B*S]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* keys_out = keys.data_ptr<float>();
+  float* values_out = values.data_ptr<float>();
+  for (int64_t n = 0; n < b * s; ++n) {
+    TORCH_CHECK(slot[n] >= 0 && slot[n] < count, "write_kv: slot ", slot[n], " out of range");
+    const int64_t bi = n / s, si = n % s;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(keys_out + (slot[n] * heads + h) * d, kp + ((bi * heads + h) * s + si) * d, d * sizeof(float));
+      std::memcpy(values_out + (slot[n] * heads + h) * d, vp + bi * v.stride(0) + si * v.stride(1) + h * v.stride(2),
+                  d * sizeof(float));
+    }
+  }
 }
 
 // One linear layer: how the Python module computes it (`kind`), on which tensors.
@@ -123,8 +151,7 @@ struct Layer {
 
     const torch::Tensor layer_keys = pass.keys.select(0, layer_index);  // [slots, Hkv, D]
     const torch::Tensor layer_values = pass.values.select(0, layer_index);
-    layer_keys.index_copy_(0, pass.write_slots, k.transpose(1, 2).flatten(0, 1));  // [B*S, Hkv, D]
-    layer_values.index_copy_(0, pass.write_slots, v.flatten(0, 1));
+    write_kv(layer_keys, layer_values, pass.write_slots, k, v);
     const torch::Tensor queries = q.transpose(1, 2).reshape({n, num_heads, d}).contiguous();  // [N, Hq, D]
     const torch::Tensor attended = pass.attention(queries, layer_keys, layer_values, pass.block_tables, pass.block_size,
                                                   pass.query_rows, pass.positions, pass.path_start, pass.path,
