@@ -84,3 +84,15 @@ def test_the_cost_profile_times_a_moe_targets_passes(moe_model):
     llm = LLM(str(moe_model), max_model_len=256, progress=False)
     costs = measure(llm.runner, None, llm.tokenizer, 0)
     assert set(costs.target) >= {1, 2, 4, 8} and all(seconds > 0 for seconds in costs.target.values())
+
+
+def test_the_shared_experts_gate_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """(torch.sigmoid computes a tensor's tail with scalar code: on an AVX2 CPU a [N, 1] call rounded
+    some rows otherwise than the same rows alone, which broke the row-independence test above.)"""
+    from draftwise.model.moe import rowwise_sigmoid
+
+    gate = torch.randn(1100, 1, generator=torch.Generator().manual_seed(0)) * 4
+    alone = torch.cat([rowwise_sigmoid(gate[i:i + 1]) for i in range(len(gate))])
+    for rows in (1, 5, 17, 600, 1100):
+        assert torch.equal(rowwise_sigmoid(gate[:rows]), alone[:rows]), rows
+    assert torch.allclose(alone, torch.sigmoid(gate), rtol=1e-6, atol=0)

@@ -7,8 +7,9 @@ theirs. Qwen2-MoE adds a shared expert on every token, gated by sigmoid(shared_e
 
 Row independence: a token's experts depend on its own logits only, each expert's matrix products
 give a row the same bits however many rows share them (the engine's kernels), and the outputs are
-summed in expert order whatever the batch, so a token's result never depends on its neighbours:
-verifying k drafted tokens computes what k steps compute.
+summed in expert order whatever the batch, and the shared expert's gate is computed so that its
+bits do not depend on the batch either (`rowwise_sigmoid`), so a token's result never depends on
+its neighbours: verifying k drafted tokens computes what k steps compute.
 """
 
 from __future__ import annotations
@@ -43,5 +44,19 @@ class SparseMoE(nn.Module):
             routed = self.experts[expert](flat[rows]) * top_weights[rows, slot, None]  # [n, H]
             out.index_add_(0, rows, routed)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + rowwise_sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(shape)
+
+
+LANES = 64  # a whole number of PyTorch's CPU vector steps (AVX2: 16 floats, AVX-512: 32)
+ONE_THREAD_ROWS = 512  # 512 x 64 values: under ATen's grain (32,768), so computed by one thread
+
+
+def rowwise_sigmoid(gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid of gate [N, 1], a row's value the same whatever N. PyTorch's CPU loops compute a
+    tensor's whole vector steps with vector code and its tail with scalar code, which round
+    differently (AVX2: 158 of 4,000 values differ between a [4000, 1] call and one value at a time),
+    so a token's gate would depend on how many tokens share its pass. Here every row fills whole
+    vector steps of its own (its value repeated), in pieces one thread computes."""
+    wide = gate.expand(-1, LANES).contiguous()  # [N, 64]
+    return torch.cat([torch.sigmoid(piece) for piece in wide.split(ONE_THREAD_ROWS)])[:, :1]  # [N, 1]
