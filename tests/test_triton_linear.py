@@ -24,6 +24,9 @@ CHECK = textwrap.dedent("""
     reference = (x.double() @ weight.double().T + bias.double()).float()
     worst = float((together - reference).abs().max())
     assert worst < 1e-4, worst
+    if not {row_invariant}:  # (the interpreter's tl.dot is numpy's matmul: see numpy_matmul_is_row_invariant)
+        print("ok", worst, "(row independence not checkable here)")
+        raise SystemExit
     for rows in (1, 2, 5, 16, 17, 33):
         for start in (0, 3, 70 - rows):
             assert torch.equal(invariant_linear(x[start:start + rows], weight, bias), together[start:start + rows]), \\
@@ -35,14 +38,32 @@ CHECK = textwrap.dedent("""
 
 
 
+def numpy_matmul_is_row_invariant() -> bool:
+    """Whether numpy's matmul gives a row the same bits wherever it sits in a tile. Triton's interpreter
+    computes tl.dot with it, so where it does not (OpenBLAS's Haswell kernels on an AVX2-only EPYC:
+    10 of 16 places differ) the interpreter cannot show the kernel's row independence, only its
+    accuracy; on a GPU the tile's instructions are the same for every row."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((16, 32), dtype=np.float32), rng.standard_normal((32, 64), dtype=np.float32)
+    whole = a @ b
+    for place in range(16):
+        alone = np.zeros_like(a)
+        alone[place] = a[3]
+        if not np.array_equal((alone @ b)[place], whole[3]):
+            return False
+    return True
+
+
 def test_the_triton_linear_in_the_interpreter():
-    run_check(CHECK, interpreted=True, device="cpu")
+    run_check(CHECK, interpreted=True, device="cpu", row_invariant=numpy_matmul_is_row_invariant())
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_triton_linear_on_cuda():
-    run_check(CHECK, interpreted=False, device="cuda")
+    run_check(CHECK, interpreted=False, device="cuda", row_invariant=True)
 
 
 @pytest.mark.cuda
