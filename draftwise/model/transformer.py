@@ -161,14 +161,12 @@ class Transformer(nn.Module):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
         native_pass = self._native_pass(cache, x) if native else None
         captured: dict[int, torch.Tensor] = {}
-        layers = list(self.layers._modules.values())  # (not a slice: slicing a ModuleList builds a new one, every pass)
-        for index in range(len(layers) if num_layers is None else min(num_layers, len(layers))):
-            layer = layers[index]
+        for index in range(len(self.layers) if num_layers is None else min(num_layers, len(self.layers))):
             native_layer = None if native_pass is None else self.native_layer(index)
             if native_layer is not None:
                 x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
-            else:
-                x = layer(x, positions, *rotations[self._local_rope[index]], cache)
+            else:  # (an index, not a slice: slicing a ModuleList builds a new one, every pass)
+                x = self.layers[index](x, positions, *rotations[self._local_rope[index]], cache)
             if index in capture_layers:
                 captured[index] = x
         return x, captured

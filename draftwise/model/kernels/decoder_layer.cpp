@@ -61,8 +61,9 @@ void write_kv(const torch::Tensor& keys, const torch::Tensor& values, const torc
   const float* vp = v.data_ptr<float>();
   float* keys_out = keys.data_ptr<float>();
   float* values_out = values.data_ptr<float>();
-  for (int64_t n = 0; n < b * s; ++n) {
+  for (int64_t n = 0; n < b * s; ++n)
     TORCH_CHECK(slot[n] >= 0 && slot[n] < count, "write_kv: slot ", slot[n], " out of range");
+  for (int64_t n = 0; n < b * s; ++n) {  // (every slot checked first: a bad one writes nothing)
     const int64_t bi = n / s, si = n % s;
     for (int64_t h = 0; h < heads; ++h) {
       std::memcpy(keys_out + (slot[n] * heads + h) * d, kp + ((bi * heads + h) * s + si) * d, d * sizeof(float));
