@@ -38,6 +38,17 @@ KERNEL_CHECK = textwrap.dedent("""
         alone_q, alone_k = rotate_queries_and_keys(qkv[b:b + 1, s:s + 1], cos[b:b + 1, :, s:s + 1],
                                                    sin[b:b + 1, :, s:s + 1], heads, kv_heads, dim)
         assert torch.equal(alone_q[0], q[b * seq + s]) and torch.equal(alone_k[0], k[b * seq + s]), (b, s)
+    # Into the cache: the rotated keys and the values at each token's slot, the same bits, nothing else written
+    slots = torch.randperm(40, device=device)[:batch * seq]
+    keys = torch.full((40, kv_heads, dim), 7.0, device=device).to(dtype)
+    values = torch.full((40, kv_heads, dim), 7.0, device=device).to(dtype)
+    stored_q, none = rotate_queries_and_keys(qkv, cos, sin, heads, kv_heads, dim, (keys, values, slots))
+    expected_v = heads_of(heads + kv_heads, kv_heads).transpose(1, 2).reshape(batch * seq, kv_heads, dim)
+    assert none is None and torch.equal(stored_q, q)
+    assert torch.equal(keys[slots], k) and torch.equal(values[slots], expected_v)
+    untouched = torch.ones(40, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert bool((keys[untouched] == 7).all()) and bool((values[untouched] == 7).all())
     print("ok")
 """)
 
@@ -70,6 +81,41 @@ MODEL_CHECK = textwrap.dedent("""
 """)
 
 
+STEP_CHECK = textwrap.dedent("""
+    import torch
+    from draftwise.loading.hf_folder import load_model
+    from draftwise.model import native_layer_ops, triton_rotary
+    from draftwise.model.attention import Attention
+    from draftwise.runner.model_runner import ModelRunner
+    native_layer_ops.usable = lambda x: False  # torch's ops on the CPU: the formula the kernel rounds like
+    from pathlib import Path
+    model = load_model(Path("{model}"), quantization="none")
+    model.native_layers = False  # every layer in Python, through Attention.forward
+    runner = ModelRunner(model, 2, 96, step_mode="eager")  # the static step's view offers its storage
+
+    def logits():
+        rows = [runner.allocate(), runner.allocate()]
+        try:  # prompts, a step, a ragged verification pass
+            out = [runner.forward(rows, [[5, 9, 14, 2], [33, 7]], [1, 1]).logits.clone(),
+                   runner.forward(rows, [[11], [4]], [1, 1]).logits.clone(),
+                   runner.forward(rows, [[3, 8, 21], [6]], [3, 1]).logits.clone()]
+            return out + [runner.cache.keys.clone(), runner.cache.values.clone()]
+        finally:
+            for row in rows:
+                runner.free(row)
+
+    op_by_op = logits()
+    stores = []
+    kernel = triton_rotary.rotate_queries_and_keys
+    triton_rotary.rotate_queries_and_keys = lambda *a: stores.append(a[-1] is not None) or kernel(*a)
+    Attention._one_kernel_rotation = lambda self, qkv, cos: triton_rotary
+    fused = logits()
+    assert stores and all(stores), stores  # every layer stored its keys and values itself
+    for a, b in zip(op_by_op, fused):
+        assert torch.equal(a, b), float((a - b).abs().max())
+    print("ok")
+""")
+
 
 def test_the_triton_rotary_in_the_interpreter():
     run_check(KERNEL_CHECK, interpreted=True, device="cpu", dtype="float32")
@@ -77,6 +123,11 @@ def test_the_triton_rotary_in_the_interpreter():
 
 def test_a_model_taking_the_kernel_computes_the_same_logits_in_the_interpreter(tiny_qwen):
     run_check(MODEL_CHECK, interpreted=True, model=tiny_qwen)
+
+
+def test_a_static_step_whose_keys_the_kernel_stores_computes_the_same_logits_and_cache(tiny_qwen):
+    """The kernel's cache stores (`write_target`): the same logits, and the same bits in the cache."""
+    run_check(STEP_CHECK, interpreted=True, model=tiny_qwen)
 
 
 @pytest.mark.cuda

@@ -35,7 +35,9 @@ class KVCacheView(Protocol):
         `window` of them up to each query's position; 0: all), scores scaled by `scale`: [B, Hq, S, D]."""
 
     # Optional: kernel_plan() -> native_decoder.KernelPlan | None, the pass for native decoder layers
-    # (a view without it, or answering None, has every layer run in Python).
+    # (a view without it, or answering None, has every layer run in Python); write_target(layer) ->
+    # (keys, values [slots, Hkv, D], slots [N]) | None, the layer's storage and the pass's slots, for a
+    # kernel that stores the new keys and values as it computes them (then `write` is not called).
 
 
 class Attention(TracksPartChanges):
@@ -69,11 +71,15 @@ class Attention(TracksPartChanges):
         qkv = self.qkv_proj(x)  # [B, S, (Hq + 2 Hkv) D]
         v = qkv[..., -self.split_sizes[2]:].view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         one_kernel = self._one_kernel_rotation(qkv, cos) if cache is not None else None
-        if one_kernel is not None:  # the GPU's: 1 kernel instead of 12
+        stored = False  # whether the new keys and values are in the cache already
+        if one_kernel is not None:  # the GPU's: 1 kernel instead of 12 (and the cache write's, where it takes it)
+            cache_slots = self._cache_slots(cache, qkv, one_kernel)
             q, k = one_kernel.rotate_queries_and_keys(qkv, cos, sin, self.num_heads, self.num_kv_heads,
-                                                      self.head_dim)  # [B*S, Hq, D], [B*S, Hkv, D]
+                                                      self.head_dim, cache_slots)  # [B*S, Hq, D], [B*S, Hkv, D]
             q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
-            k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+            stored = k is None
+            if not stored:
+                k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         else:
             q, k, _ = qkv.split(self.split_sizes, dim=-1)
             q = q.view(batch, seq, self.num_heads, self.head_dim)  # [B, S, Hq, D]
@@ -93,7 +99,8 @@ class Attention(TracksPartChanges):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
                                                  scale=self.scale)  # [B, Hq, S, D]
         else:
-            cache.write(self.layer_index, k, v)
+            if not stored:
+                cache.write(self.layer_index, k, v)
             out = cache.attend(self.layer_index, q, positions, scale=self.scale, window=self.window)  # [B, Hq, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -105,3 +112,13 @@ class Attention(TracksPartChanges):
             return None
         from draftwise.model import triton_rotary  # (Triton only where there is a GPU: ~70 MB resident)
         return triton_rotary if triton_rotary.available() else None
+
+    def _cache_slots(self, cache: KVCacheView, qkv: torch.Tensor, one_kernel):
+        """(keys, values [slots, Hkv, D], slots [N]) where the rotation kernel can store this pass's keys
+        and values itself: a view that offers its storage (`write_target`) in a layout the kernel
+        takes; else None (the view writes them)."""
+        target = getattr(cache, "write_target", None)
+        target = None if target is None else target(self.layer_index)
+        if target is None or not one_kernel.fits_cache(target[0], target[1], qkv):
+            return None
+        return target

@@ -37,9 +37,22 @@ class DecoderLayer(TracksPartChanges):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def forward(self, x, positions, cos, sin, cache):
-        attended = self.self_attn(self.input_layernorm(x), positions, cos, sin, cache)
-        x, normed = add_and_norm(x, attended, self.post_attention_layernorm)  # (the GPU's: one kernel)
-        return x + self.mlp(normed)
+        x, mlp_out = self.forward_unadded(x, None, positions, cos, sin, cache)
+        return x + mlp_out
+
+    def forward_unadded(self, x, pending, positions, cos, sin, cache):
+        """The layer with its last residual add left to whoever comes next: x [B, S, H] the residual
+        stream, pending [B, S, H] the previous layer's MLP output not yet added to it (or None).
+        Returns (the stream before this layer's MLP output is added, that output). On the GPU each add
+        then shares a kernel with the norm after it (`add_and_norm`): two kernels a layer fewer,
+        the same bits (the add rounds as torch's does)."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = add_and_norm(x, pending, self.input_layernorm)
+        attended = self.self_attn(normed, positions, cos, sin, cache)
+        x, normed = add_and_norm(x, attended, self.post_attention_layernorm)
+        return x, self.mlp(normed)
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -161,14 +174,26 @@ class Transformer(nn.Module):
             rotations[True] = self.rotary(positions, x.dtype, local=True)
         native_pass = self._native_pass(cache, x) if native else None
         captured: dict[int, torch.Tensor] = {}
+        pending = None  # the last layer's MLP output where it is not yet added to x (the next norm adds it)
         for index in range(len(self.layers) if num_layers is None else min(num_layers, len(self.layers))):
             native_layer = None if native_pass is None else self.native_layer(index)
-            if native_layer is not None:
-                x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
-            else:  # (an index, not a slice: slicing a ModuleList builds a new one, every pass)
-                x = self.layers[index](x, positions, *rotations[self._local_rope[index]], cache)
+            layer = self.layers[index]  # (an index, not a slice: slicing a ModuleList builds a new one, every pass)
+            if native_layer is None and type(layer) is DecoderLayer and not (layer._forward_hooks or
+                                                                            layer._forward_pre_hooks):
+                x, pending = layer.forward_unadded(x, pending, positions, *rotations[self._local_rope[index]], cache)
+            else:
+                if pending is not None:
+                    x, pending = x + pending, None
+                if native_layer is not None:
+                    x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
+                else:  # (a hooked layer is called as a module: its hooks see its output)
+                    x = layer(x, positions, *rotations[self._local_rope[index]], cache)
             if index in capture_layers:
+                if pending is not None:
+                    x, pending = x + pending, None
                 captured[index] = x
+        if pending is not None:
+            x = x + pending
         return x, captured
 
     def _native_pass(self, cache: KVCacheView | None, x: torch.Tensor):

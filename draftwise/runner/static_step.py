@@ -71,9 +71,6 @@ class StepTensors:
         pieces = flat.split([math.prod(shape) for shape in shapes])
         return cls(*(piece.view(shape) for piece, shape in zip(pieces, shapes)), flat)
 
-    def copy_(self, other: "StepTensors") -> None:
-        self.flat.copy_(other.flat, non_blocking=True)
-
 
 class TensorKVView:
     """The model's `KVCacheView` over tensors only (no host lists): what a traced graph can hold."""
@@ -84,6 +81,14 @@ class TensorKVView:
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New keys/values [R, Hkv, S, D] into their slots."""
         write_kv(self.cache.keys[layer], self.cache.values[layer], self.inputs.write_slots, keys, values)
+
+    def write_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The layer's storage keys, values [slots, Hkv, D] and the pass's slots [R*S], for the GPU's
+        rotation kernel to store into (`triton_rotary`); None inside a compiled graph (its writes go
+        through the op that says it mutates the cache: `write_kv`)."""
+        if torch.compiler.is_compiling():
+            return None
+        return self.cache.keys[layer], self.cache.values[layer], self.inputs.write_slots
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, *, scale: float,
                window: int = 0) -> torch.Tensor:
@@ -119,6 +124,8 @@ class StaticStep:
         self._seen: set[Bucket] = set()
         self._graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, StepTensors, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None  # one memory pool for all buckets
+        self._staging: torch.Tensor | None = None  # pinned host memory a graph's inputs are sent from
+        self._sent: torch.cuda.Event | None = None  # recorded after the last copy out of it
         self._function = step_logits
         if mode == "compile":
             buckets = 2 * len(self.row_buckets) * len(self.token_buckets)
@@ -138,10 +145,11 @@ class StaticStep:
         return rows, tokens, tokens if all_logits else 1
 
     def prepare(self, bucket: Bucket, rows: list[int], token_ids: list[list[int]], lengths: list[int],
-                parents: list[list[int] | None] | None = None) -> StepTensors:
+                parents: list[list[int] | None] | None = None) -> torch.Tensor:
         """The bucket's inputs: row b's token_ids[b] appended after its lengths[b] cached tokens
         (the sequences' blocks already cover them), as a chain or, where parents[b] says, a token
-        tree (`draftwise.cache.token_tree`). Built on the host with numpy, sent in one copy."""
+        tree (`draftwise.cache.token_tree`). Built on the host with numpy: one flat int64 host tensor
+        that `run` sends in one copy (`StepTensors` views it there)."""
         num_rows, width, num_logits = bucket
         blocks, size = self.cache.blocks, self.cache.blocks.block_size
         tokens = np.zeros((num_rows, width), np.int64)
@@ -180,21 +188,39 @@ class StaticStep:
             path[b * width:(b + 1) * width] = row_paths
         flat = np.concatenate([tokens.ravel(), positions.ravel(), slots.ravel(), tables.ravel(),
                                np.repeat(np.arange(num_rows), width), picks, path_start, path.ravel()])
-        return StepTensors.viewing(torch.from_numpy(flat).to(self.device), bucket, self.width)
+        return torch.from_numpy(flat)
 
-    def run(self, bucket: Bucket, inputs: StepTensors) -> torch.Tensor:
-        """Logits [R'*L', V] of the bucket (valid until the next run of the same bucket in "graph" mode)."""
+    def run(self, bucket: Bucket, host_inputs: torch.Tensor) -> torch.Tensor:
+        """Logits [R'*L', V] of the bucket, its inputs as `prepare` made them (valid until the next run
+        of the same bucket in "graph" mode)."""
         if bucket not in self._seen:
             self._seen.add(bucket)
             self.compilations += self.mode != "eager"
         if self.mode != "graph":
-            return self._function(self.model, self.cache, inputs)
+            return self._function(self.model, self.cache, self._on_device(bucket, host_inputs))
         if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket, inputs)
+            self._graphs[bucket] = self._capture(bucket, self._on_device(bucket, host_inputs))
         graph, static_inputs, static_logits = self._graphs[bucket]
-        static_inputs.copy_(inputs)
+        self._send(host_inputs, static_inputs.flat)
         graph.replay()
         return static_logits
+
+    def _on_device(self, bucket: Bucket, host_inputs: torch.Tensor) -> StepTensors:
+        return StepTensors.viewing(host_inputs.to(self.device), bucket, self.width)
+
+    def _send(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        """host [N] -> device [N] through a pinned buffer: the host does not wait for the device (a copy
+        from pageable memory would), and no tensor is allocated a step. The buffer is rewritten only
+        once the last copy out of it has run."""
+        if self._sent is not None:
+            self._sent.synchronize()
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(host.numel(), dtype=host.dtype, pin_memory=True)
+            self._sent = torch.cuda.Event()
+        staging = self._staging[:host.numel()]
+        staging.copy_(host)
+        device.copy_(staging, non_blocking=True)
+        self._sent.record()
 
     def _capture(self, bucket: Bucket, inputs: StepTensors) -> tuple[torch.cuda.CUDAGraph, StepTensors, torch.Tensor]:
         """Capture the bucket's step on a side stream, after one warm-up run (Triton compiles its
