@@ -42,13 +42,13 @@ for rows, tokens in ((1, 1), (1, 8), (8, 1)):
         graph.replay()
     torch.cuda.synchronize()
     replay_ms = (time.perf_counter() - started) / 50 * 1e3
-    if rows == 1 and tokens == 1:  # the host's part: building the inputs, forward's return, the graph's launch
+    if tokens == 1:  # the host's part: building the inputs, forward's return, the graph's launch
         step = runner.static_step
-        bucket = step.bucket(1, 1, False)
-        lengths = [CONTEXT - 1]  # (a position the row's blocks hold: prepare does not grow them)
+        bucket = step.bucket(rows, 1, False)
+        lengths = [CONTEXT - 1] * rows  # (a position the rows' blocks hold: prepare does not grow them)
         started = time.perf_counter()
         for _ in range(200):
-            step.prepare(bucket, handles, [[7]], lengths)
+            step.prepare(bucket, handles, [[7]] * rows, lengths)
         prepare_us = (time.perf_counter() - started) / 200 * 1e6
         returned, waited, launched = [], [], []
         phases = {"prepare": [], "_send": [], "run": []}  # forward's own phases, timed where they run
@@ -66,18 +66,19 @@ for rows, tokens in ((1, 1), (1, 8), (8, 1)):
             setattr(step, name, timed(name, getattr(step, name)))
         for _ in range(50):
             t0 = time.perf_counter()
-            runner.forward(handles, [[7]], [1])
+            runner.forward(handles, [[7]] * rows, [1] * rows)
             t1 = time.perf_counter()
             runner.synchronize()
             returned.append(t1 - t0)
             waited.append(time.perf_counter() - t1)
-            runner.truncate(handles[0], CONTEXT)
+            for handle in handles:
+                runner.truncate(handle, CONTEXT)
             t0 = time.perf_counter()
             graph.replay()
             launched.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
         median = lambda values: sorted(values)[len(values) // 2] * 1e6
-        print(f"host: prepare {prepare_us:.0f} us, forward returns after {median(returned):.0f} us and its wait "
+        print(f"host ({rows} rows): prepare {prepare_us:.0f} us, forward returns after {median(returned):.0f} us and its wait "
               f"takes {median(waited):.0f} us more; graph.replay() alone returns after {median(launched):.0f} us",
               flush=True)
         print("host, inside forward: " + ", ".join(f"{name} {median(values):.0f} us" for name, values in phases.items())

@@ -151,29 +151,29 @@ class StaticStep:
         tree (`draftwise.cache.token_tree`). Built on the host with numpy: one flat int64 host tensor
         that `run` sends in one copy (`StepTensors` views it there)."""
         num_rows, width, num_logits = bucket
-        blocks, size = self.cache.blocks, self.cache.blocks.block_size
-        tokens = np.zeros((num_rows, width), np.int64)
-        positions = np.zeros((num_rows, width), np.int64)
-        slots = np.full((num_rows, width), self.cache.scratch_slot, np.int64)
-        tables = np.zeros((num_rows, self.width), np.int64)
-        starts = np.zeros(num_rows, np.int64)
-        counts = np.zeros(num_rows, np.int64)
+        blocks, size, table_width, real = self.cache.blocks, self.cache.blocks.block_size, self.width, len(rows)
         steps = np.arange(width)
+        tokens = np.zeros((num_rows, width), np.int64)
+        tokens[:real] = [list(ids) + [0] * (width - len(ids)) for ids in token_ids]
+        tables = np.zeros((num_rows, table_width), np.int64)
+        tables[:real] = [table + [0] * (table_width - len(table))
+                         for table in (blocks.tables[row][:table_width] for row in rows)]
+        starts = np.zeros(num_rows, np.int64)
+        starts[:real] = lengths
+        counts = np.zeros(num_rows, np.int64)
+        counts[:real] = [len(ids) for ids in token_ids]
+        stored = starts[:, None] + steps  # [R, S] where the new tokens are stored, in order
+        padding = steps >= counts[:, None]  # [R, S] (the rest: the rows' new tokens)
+        block_index, offset = np.divmod(stored, size)
+        block_index[padding] = 0
+        slots = tables[np.arange(num_rows)[:, None], block_index] * size + offset  # [R, S]
+        slots[padding] = self.cache.scratch_slot
+        positions = np.where(padding, starts[:, None], stored)  # a chain's; padding at the row's start
         tree_paths: dict[int, list[list[int]]] = {}  # row -> [S][S] its queries' paths (trees only)
-        for b, (row, ids, start) in enumerate(zip(rows, token_ids, lengths)):
-            count = len(ids)
-            table = np.asarray(blocks.tables[row][:self.width], np.int64)
-            tokens[b, :count] = ids
-            starts[b], counts[b] = start, count
-            tables[b, :len(table)] = table
-            stored = start + steps[:count]  # where the new tokens are stored, in order
-            slots[b, :count] = table[stored // size] * size + stored % size
-            row_parents = parents[b] if parents is not None else None
-            if row_parents is None:
-                positions[b] = np.where(steps < count, start + steps, start)
-            else:
+        for b, row_parents in enumerate(parents or ()):
+            if row_parents is not None:
+                start, count = lengths[b], len(token_ids[b])
                 positions[b, :count] = start + np.asarray(token_tree.depths(row_parents), np.int64)
-                positions[b, count:] = start
                 row_paths = token_tree.paths(row_parents, start) + [[start]] * (width - count)  # (padding)
                 tree_paths[b] = [path + [start] * (width - len(path)) for path in row_paths]
         if num_logits == 1:
