@@ -10,8 +10,9 @@ element is summed by one program over K in BLOCK_K chunks, in order, and every t
 runs the same instructions whatever M is: a row's output is the same alone or among 1,000.
 
 Used for float32 layers on CUDA (`use_invariant_linears`). In bfloat16 the kernels cuBLAS picks
-measured invariant at the 1.5B's shapes over 1..64 rows (the target drafting for itself accepted every
-draft at 1, 8 and 32 rows on the H200: BENCHMARKS.md), so bf16 keeps them. Without a GPU the kernel
+measured invariant at the 1.5B's shapes over 1..64 rows (a token's logits alone, among 8 verified
+tokens and among 64 rows, the same bits on an H200: `tests/test_cuda_row_invariance.py`), so bf16
+keeps them. Without a GPU the kernel
 runs in Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 
