@@ -178,23 +178,22 @@ class Transformer(nn.Module):
         for index in range(len(self.layers) if num_layers is None else min(num_layers, len(self.layers))):
             native_layer = None if native_pass is None else self.native_layer(index)
             layer = self.layers[index]  # (an index, not a slice: slicing a ModuleList builds a new one, every pass)
-            if native_layer is None and type(layer) is DecoderLayer and not (layer._forward_hooks or
-                                                                            layer._forward_pre_hooks):
-                x, pending = layer.forward_unadded(x, pending, positions, *rotations[self._local_rope[index]], cache)
+            cos, sin = rotations[self._local_rope[index]]
+            # A hooked layer is called as a module (its hooks see its output): its input is settled first.
+            deferred = native_layer is None and type(layer) is DecoderLayer and not (
+                layer._forward_hooks or layer._forward_pre_hooks)
+            if pending is not None and not deferred:
+                x, pending = x + pending, None
+            if deferred:
+                x, pending = layer.forward_unadded(x, pending, positions, cos, sin, cache)
+            elif native_layer is not None:
+                x = native_layer.forward(x, cos, sin, native_pass)
             else:
-                if pending is not None:
-                    x, pending = x + pending, None
-                if native_layer is not None:
-                    x = native_layer.forward(x, *rotations[self._local_rope[index]], native_pass)
-                else:  # (a hooked layer is called as a module: its hooks see its output)
-                    x = layer(x, positions, *rotations[self._local_rope[index]], cache)
+                x = layer(x, positions, cos, sin, cache)
             if index in capture_layers:
-                if pending is not None:
-                    x, pending = x + pending, None
+                x, pending = (x if pending is None else x + pending), None
                 captured[index] = x
-        if pending is not None:
-            x = x + pending
-        return x, captured
+        return (x if pending is None else x + pending), captured
 
     def _native_pass(self, cache: KVCacheView | None, x: torch.Tensor):
         """The pass in native form where native layers can run it: float32 on the CPU, eager, over a
