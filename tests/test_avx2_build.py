@@ -14,7 +14,7 @@ from draftwise import native
 from draftwise.cache import attention_backend
 from draftwise.quant import native as quant_native
 
-KERNEL_TESTS = ["tests/test_batch_invariance.py", "tests/test_int8_activations.py", "tests/test_layer_ops.py",
+KERNEL_TESTS = ["tests/test_batch_invariance.py", "tests/test_paged_attention_tiles.py", "tests/test_int8_activations.py", "tests/test_layer_ops.py",
                 "tests/test_quantization.py", "tests/test_avx2_build.py::test_the_isa_choice"]
 
 

@@ -103,7 +103,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   at::parallel_for(0, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kTile * group * ((table_width + 15) / 16 * 16 + d));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task / num_kv_heads, g = task % num_kv_heads;
+      const int64_t g = task / tiles, tile = task % tiles;  // kv head major: each thread gets whole heads where it can
       const int64_t n0 = tile_starts[tile], count = tile_starts[tile + 1] - n0;
       const int64_t* table = table_ptr + row_ptr[n0] * block_tables.size(1);
       const float* qs[kTile];

@@ -92,81 +92,111 @@ inline __m256i first_lanes(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count < kLanes ? count : kLanes)), index);
 }
 
-void attend_group(const float* q, const float* keys, const float* values, const int64_t* blocks, int64_t block_size,
-                  int64_t first, int64_t position, const int64_t* path, int64_t path_start, int64_t kv_head,
-                  int64_t num_kv_heads,
-                  int64_t group, int64_t d, float scale, float* scratch, float* out) {
-  // `position` here is the last key index: key index t is key position first + t (a sliding window)
+// Up to kTile queries of one row over their keys, for the `group` heads sharing kv head `kv_head`
+// (each query's q rows consecutive): query i attends key indices 0..last[i], key index t being key
+// position first + t, read through the tree path from path_start on (one query a tile where there is
+// a window or a tree). Each block of 8 keys and of 8 values is looked up and read once for every
+// query and head while it is in L1; each query's and head's arithmetic, and its order, is that of
+// the query and head alone (the key pointers past a query's last index point at valid keys of the
+// tile; their lanes are masked, and a lane's dot product involves its own key only), so a query's
+// result never depends on the tile it lands in.
+// (Plain: key index t is key position t, no window or tree; the addressing alone differs.)
+constexpr int64_t kTile = 4;
+
+template <bool Plain>
+void attend_keys(int64_t count, const float* const q[kTile], const int64_t last[kTile], const float* keys,
+                 const float* values, const int64_t* blocks, int64_t block_size, int64_t first, const int64_t* path,
+                 int64_t path_start, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
+                 float* scratch, float* const out[kTile]) {
   auto slot = [&](int64_t t) {
+    if constexpr (Plain) return blocks[t / block_size] * block_size + t % block_size;
     const int64_t key = first + t;
     const int64_t stored = (path != nullptr && key >= path_start) ? path[key - path_start] : key;
     return blocks[stored / block_size] * block_size + stored % block_size;
   };
+  int64_t tile_last = 0;  // the tile's last key index
+  for (int64_t i = 0; i < count; ++i) tile_last = last[i] > tile_last ? last[i] : tile_last;
   const int64_t stride = num_kv_heads * d;  // between consecutive slots
-  const int64_t width = (position + kLanes) / kLanes * kLanes;  // score slots per head
-  float* scores = scratch;  // [group, width]
-  float* acc_store = scratch + group * width;  // [group, d]
+  const int64_t width = (tile_last + kLanes) / kLanes * kLanes;  // score slots per head
+  float* scores[kTile];  // per query [group, width], then its sums [group, d]
+  float* acc_store[kTile];
+  for (int64_t i = 0; i < count; ++i) {
+    scores[i] = scratch + i * group * (width + d);
+    acc_store[i] = scores[i] + group * width;
+  }
   const float* block[8];
-  __m256 maxima[64];
-  for (int64_t h = 0; h < group; ++h) maxima[h] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t <= position; t += kLanes) {  // 8 key positions at a time (past the position: ignored)
-    const int64_t left = position + 1 - t;
-    const __m256i lanes = first_lanes(left);
-    for (int j = 0; j < 8; ++j) block[j] = keys + slot(t + (j < left ? j : left - 1)) * stride + kv_head * d;
-    for (int64_t h = 0; h < group; ++h) {
-      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(scale), dots8(q + h * d, block, d));
-      _mm256_maskstore_ps(scores + h * width + t, lanes, s);
-      maxima[h] = _mm256_blendv_ps(maxima[h], _mm256_max_ps(maxima[h], s), _mm256_castsi256_ps(lanes));
+  __m256 maxima[kTile][64];
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t h = 0; h < group; ++h) maxima[i][h] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t <= tile_last; t += kLanes) {  // 8 key positions at a time (past a query's last: masked)
+    const int64_t tile_left = tile_last + 1 - t;
+    for (int j = 0; j < 8; ++j) block[j] = keys + slot(t + (j < tile_left ? j : tile_left - 1)) * stride + kv_head * d;
+    for (int64_t i = 0; i < count; ++i) {
+      if (t > last[i]) continue;
+      const __m256i lanes = first_lanes(last[i] + 1 - t);
+      for (int64_t h = 0; h < group; ++h) {
+        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(scale), dots8(q[i] + h * d, block, d));
+        _mm256_maskstore_ps(scores[i] + h * width + t, lanes, s);
+        maxima[i][h] = _mm256_blendv_ps(maxima[i][h], _mm256_max_ps(maxima[i][h], s), _mm256_castsi256_ps(lanes));
+      }
     }
   }
-  float totals[64];
-  for (int64_t h = 0; h < group; ++h) {
-    const __m256 max_vec = _mm256_set1_ps(reduce_max(maxima[h]));
-    __m256 sums = _mm256_setzero_ps();
-    for (int64_t t = 0; t <= position; t += kLanes) {
-      const __m256i lanes = first_lanes(position + 1 - t);
-      float* row = scores + h * width + t;
-      const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(row, lanes), max_vec)),
-                                     _mm256_castsi256_ps(lanes));
-      _mm256_maskstore_ps(row, lanes, e);
-      sums = _mm256_add_ps(sums, e);
+  float totals[kTile][64];
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t h = 0; h < group; ++h) {
+      const __m256 max_vec = _mm256_set1_ps(reduce_max(maxima[i][h]));
+      __m256 sums = _mm256_setzero_ps();
+      for (int64_t t = 0; t <= last[i]; t += kLanes) {
+        const __m256i lanes = first_lanes(last[i] + 1 - t);
+        float* row = scores[i] + h * width + t;
+        const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(row, lanes), max_vec)),
+                                       _mm256_castsi256_ps(lanes));
+        _mm256_maskstore_ps(row, lanes, e);
+        sums = _mm256_add_ps(sums, e);
+      }
+      totals[i][h] = reduce_add(sums);
     }
-    totals[h] = reduce_add(sums);
+    for (int64_t j = 0; j < group * d; ++j) acc_store[i][j] = 0.0f;
   }
   const int64_t chunks = d / kLanes;
-  for (int64_t i = 0; i < group * d; ++i) acc_store[i] = 0.0f;
-  const float* rows[kLanes];  // the block's value rows, looked up once for every head
-  for (int64_t t = 0; t <= position; t += kLanes) {  // each output lane accumulates over t in order
-    const int64_t end = t + kLanes <= position + 1 ? t + kLanes : position + 1;
-    for (int64_t u = t; u < end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
-    for (int64_t h = 0; h < group; ++h) {
-      const float* w = scores + h * width + t;
-      float* acc = acc_store + h * d;
-      int64_t c = 0;  // eight chunks at a time (eight accumulators and a value fit AVX2's 16 registers), then the rest
-      for (; c + 8 <= chunks; c += 8) weighted_rows<8>(rows, end - t, w, kLanes * c, acc + kLanes * c);
-      if (c + 4 <= chunks) weighted_rows<4>(rows, end - t, w, kLanes * c, acc + kLanes * c), c += 4;
-      if (c + 2 <= chunks) weighted_rows<2>(rows, end - t, w, kLanes * c, acc + kLanes * c), c += 2;
+  const float* rows[kLanes];  // the block's value rows, looked up once for every query and head
+  for (int64_t t = 0; t <= tile_last; t += kLanes) {  // each output lane accumulates over t in order
+    const int64_t tile_end = t + kLanes <= tile_last + 1 ? t + kLanes : tile_last + 1;
+    for (int64_t u = t; u < tile_end; ++u) rows[u - t] = values + slot(u) * stride + kv_head * d;
+    for (int64_t i = 0; i < count; ++i) {
+      if (t > last[i]) continue;
+      const int64_t end = t + kLanes <= last[i] + 1 ? t + kLanes : last[i] + 1;
+      for (int64_t h = 0; h < group; ++h) {
+        const float* w = scores[i] + h * width + t;
+        float* acc = acc_store[i] + h * d;
+        int64_t c = 0;  // eight chunks at a time (eight accumulators and a value fit AVX2's 16 registers), then the rest
+        for (; c + 8 <= chunks; c += 8) weighted_rows<8>(rows, end - t, w, kLanes * c, acc + kLanes * c);
+        if (c + 4 <= chunks) weighted_rows<4>(rows, end - t, w, kLanes * c, acc + kLanes * c), c += 4;
+        if (c + 2 <= chunks) weighted_rows<2>(rows, end - t, w, kLanes * c, acc + kLanes * c), c += 2;
+      }
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
-    const __m256 norm = _mm256_set1_ps(totals[h]);
-    for (int64_t c = 0; c < chunks; ++c) {
-      _mm256_storeu_ps(out + h * d + kLanes * c, _mm256_div_ps(_mm256_loadu_ps(acc_store + h * d + kLanes * c), norm));
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t h = 0; h < group; ++h) {
+      const __m256 norm = _mm256_set1_ps(totals[i][h]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _mm256_storeu_ps(out[i] + h * d + kLanes * c,
+                         _mm256_div_ps(_mm256_loadu_ps(acc_store[i] + h * d + kLanes * c), norm));
+      }
     }
   }
 }
-
-// Up to kTile queries of one row: here each alone (the tiled form, which reads each block of keys
-// once for all of them, is the AVX-512 build's; both compute each query's bits as if alone).
-constexpr int64_t kTile = 4;
 
 void attend_tile(int64_t count, const float* const q[kTile], const int64_t last[kTile], const float* keys,
                  const float* values, const int64_t* blocks, int64_t block_size, int64_t first, const int64_t* path,
                  int64_t path_start, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t d, float scale,
                  float* scratch, float* const out[kTile]) {
-  for (int64_t i = 0; i < count; ++i)
-    attend_group(q[i], keys, values, blocks, block_size, first, last[i], path, path_start, kv_head, num_kv_heads, group,
-                 d, scale, scratch, out[i]);
+  if (first == 0 && path == nullptr)
+    attend_keys<true>(count, q, last, keys, values, blocks, block_size, first, path, path_start, kv_head, num_kv_heads,
+                      group, d, scale, scratch, out);
+  else
+    attend_keys<false>(count, q, last, keys, values, blocks, block_size, first, path, path_start, kv_head, num_kv_heads,
+                       group, d, scale, scratch, out);
 }
 
 }  // namespace
