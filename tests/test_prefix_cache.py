@@ -4,11 +4,14 @@ with caching off, greedy, seeded, speculating, under memory pressure and preempt
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from draftwise import LLM, SamplingParams
 from draftwise.cache.block_manager import BlockManager
 from draftwise.runner.model_runner import ModelRunner
+from tests.drafting import spec_totals
 
 SYSTEM = "You are a careful assistant. " * 12  # a long shared beginning (many blocks of 16 tokens)
 QUESTIONS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np"]
@@ -120,3 +123,40 @@ def test_after_reset_prefix_cache_a_prompt_served_before_is_prefilled_again(tiny
     assert llm.generate(prompt, params)[0].token_ids == first
     assert llm.engine_stats()["prefix_cache_hits"] == hits
     llm.runner.blocks.check_invariants()
+
+
+def test_a_draft_model_caches_prompts_too(tiny_qwen, drafting_pays):
+    check_draft_model_prefix_cache(tiny_qwen, prompt_kernels=False)  # (with prompt kernels: test_prompt_kernels.py)
+
+
+def check_draft_model_prefix_cache(model, prompt_kernels: bool) -> None:
+    """The draft model (here the target itself, so every drafted token is accepted only if its cached
+    blocks hold what it would compute) starts a request with the blocks of its prompt an earlier one
+    absorbed; its catch-up, as the controller prices it, is the rest; a reset forgets them. (Its
+    prompt goes in a prompt pass of its own with prompt kernels, in its drafting passes without.)"""
+    uncached = LLM(str(model), max_model_len=512, max_num_seqs=8, progress=False, enable_prefix_caching=False,
+                   prompt_kernels=prompt_kernels)
+    llm = LLM(str(model), max_model_len=512, max_num_seqs=8, progress=False, prompt_kernels=prompt_kernels,
+              speculative={"method": "draft", "model": str(model), "num_speculative_tokens": 3,
+                           "draft_context_window": 0})
+    assert llm.runner.prompt_kernels == prompt_kernels
+    proposer = llm.engine.drafters["draft"].proposer
+    draft_blocks = proposer.runner.blocks
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = [SYSTEM + q for q in QUESTIONS[:2]]
+    expected = [o.token_ids for o in uncached.generate(prompts, params)]
+    first = llm.generate(prompts[0], params)[0]
+    assert draft_blocks.prefix_hits == 0
+    prompt_ids = llm.tokenizer.encode(prompts[1])
+    shared = draft_blocks.cached_prefix_length(draft_blocks.prefix_digests(prompt_ids))
+    assert shared >= 16 * (len(llm.tokenizer.encode(SYSTEM)) // 16 - 1) > 0
+    waiting = SimpleNamespace(request_id="not started", token_ids=prompt_ids, output_ids=[])
+    assert proposer.lag(waiting) == len(prompt_ids) - shared
+    second = llm.generate(prompts[1], params)[0]
+    assert draft_blocks.prefix_hits == shared
+    assert [first.token_ids, second.token_ids] == expected
+    spec = spec_totals([first, second])
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    draft_blocks.check_invariants()
+    llm.reset_prefix_cache()
+    assert draft_blocks.cached_prefix_length(draft_blocks.prefix_digests(prompt_ids)) == 0

@@ -222,3 +222,10 @@ def test_a_short_prompt_takes_the_prompt_kernels_with_a_static_step_too(q4k_m_li
     assert static.runner.static_step is not None
     assert [answers(static, [p])[0] for p in short] == expected  # each alone
     assert answers(static, short + [PROMPTS[2]])[:2] == expected  # beside a prompt past the buckets
+
+
+@needs_amx
+def test_a_draft_model_caches_its_prompt_blocks_under_prompt_kernels(q4k_m_like_model, drafting_pays):
+    from tests.test_prefix_cache import check_draft_model_prefix_cache
+
+    check_draft_model_prefix_cache(q4k_m_like_model, prompt_kernels=True)

@@ -132,6 +132,21 @@ class BlockManager:
         self.prefix_hits += self.lengths[handle]
         return self.lengths[handle]
 
+    def prefix_digests(self, token_ids: list[int]) -> list[bytes]:
+        """The hashes `share_prefix` looks up for a sequence about to hold `token_ids`, in order."""
+        digests, last = [], b""
+        for index in range((len(token_ids) - 1) // self.block_size if self.prefix_caching else 0):
+            last = self._hash(last, token_ids, index)
+            digests.append(last)
+        return digests
+
+    def cached_prefix_length(self, digests: list[bytes]) -> int:
+        """The tokens `share_prefix` would give now the sequence whose `prefix_digests` these are."""
+        found = 0
+        while found < len(digests) and digests[found] in self._block_of:
+            found += 1
+        return found * self.block_size
+
     def reset_prefix_cache(self) -> None:
         """Nothing cached is found again: idle cached blocks return to the free pool and no block
         keeps its hash (sequences running keep their blocks; what they commit later is registered

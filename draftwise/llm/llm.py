@@ -359,8 +359,13 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """vLLM's name: no request finds an earlier one's tokens cached any more (the blocks are
         kept as free memory). Benchmarks call it so that requests run before are not prefilled from
-        the cache when they are served again as new traffic."""
+        the cache when they are served again as new traffic. Drafters with a prefix cache of their
+        own (a draft model's) reset theirs too."""
         self.runner.blocks.reset_prefix_cache()
+        for drafter in self.engine.drafters.values():
+            reset = getattr(drafter.proposer, "reset_prefix_cache", None)
+            if reset is not None:
+                reset()
 
     def engine_stats(self) -> dict:
         """Queue lengths, KV blocks, and the mean k per drafter in the last step (for metrics)."""

@@ -89,6 +89,14 @@ class ModelRunner:
         returns how many tokens it holds (0 without prefix caching)."""
         return self.blocks.share_prefix(handle, token_ids)
 
+    def prefix_digests(self, token_ids: list[int]) -> list[bytes]:
+        """What `cached_prefix_length` looks up for a sequence about to hold `token_ids`."""
+        return self.blocks.prefix_digests(token_ids)
+
+    def cached_prefix_length(self, digests: list[bytes]) -> int:
+        """The tokens `share_prefix` would give now a new sequence with these `prefix_digests`."""
+        return self.blocks.cached_prefix_length(digests)
+
     @property
     def prompt_kernels(self) -> bool:
         """Whether prompt tokens are computed by kernels of their own (`model/prompt_pass.py`), so

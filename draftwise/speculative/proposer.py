@@ -66,6 +66,8 @@ class Proposer(Protocol):
     # (Optional) the longest draft it can propose (a head with K heads: K); k is capped there.
     # (Optional) `forget_history()`: drop what earlier requests left it (a cache of their text), as
     # a fresh drafter would be; `LLM.forget_drafter_history` calls it (benchmarks measuring new traffic).
+    # (Optional) `reset_prefix_cache()`: a drafter with a prefix cache of its own forgets it, as the
+    # target's does; `LLM.reset_prefix_cache` calls it.
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         """Up to num_tokens[b] tokens continuing seqs[b] (all of its committed tokens)."""

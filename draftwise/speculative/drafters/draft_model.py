@@ -7,6 +7,14 @@ long prompt costs more than drafting can save on a short answer (a 700-token RAG
 wrongly: the target verifies every token. When the backlog grows past the window (the controller
 took plain steps for a while), the cache restarts from the last `context_window` tokens.
 
+Prefix caching: where the target caches prefixes (`enable_prefix_caching`), so does the draft model,
+in its own cache and by the same rule (`cache/block_manager.py`): a request starts with the draft
+model's cached blocks of the longest prefix of its prompt an earlier request absorbed (a chat
+template's system prompt, a conversation's earlier turns, a request sent again) and absorbs only the
+rest; its catch-up, as the controller prices it (`lag`), is that rest. A window then counts from
+the prompt's first token as before: a request whose uncached rest fits the window reads its whole
+context. Only prompt tokens are offered (a generated token is computed by the decoding kernels).
+
 Prompt kernels: where the target computes prompts by kernels of their own (`model/prompt_pass.py`),
 the draft model follows the same rule: what its cache lacks of the prompt goes in a prompt pass of
 its own before drafting, its generated tokens in decoding passes (the 0.5B's catch-up of 64-256
@@ -46,6 +54,7 @@ class DraftModelProposer:
         self._rows: dict[str, int] = {}  # request id -> draft cache row
         self._offsets: dict[str, int] = {}  # request id -> the first token the row holds
         self._drafted: dict[str, tuple[int, list[int]]] = {}  # request id -> (committed tokens then, chain drafted)
+        self._digests: dict[str, list[bytes]] = {}  # request id, before its row -> its prompt's prefix hashes
 
     @property
     def catch_up_window(self) -> int | None:
@@ -53,8 +62,10 @@ class DraftModelProposer:
 
     def _row(self, seq: SequenceState) -> int:
         if seq.request_id not in self._rows:
-            self._rows[seq.request_id] = self.runner.allocate()
+            self._rows[seq.request_id] = row = self.runner.allocate()
             self._offsets[seq.request_id] = 0
+            self.runner.share_prefix(row, _prompt(seq))  # (0 tokens without prefix caching)
+            self._digests.pop(seq.request_id, None)
         row = self._rows[seq.request_id]
         if self.context_window is not None and self._backlog(seq) > self.context_window:
             self.runner.truncate(row, 0)  # restart from the window's start
@@ -63,7 +74,12 @@ class DraftModelProposer:
 
     def _backlog(self, seq: SequenceState) -> int:
         row = self._rows.get(seq.request_id)
-        held = 0 if row is None else self._offsets[seq.request_id] + self.runner.length(row)
+        if row is None:  # what its row would start with (the prompt's hashes taken once a request)
+            if seq.request_id not in self._digests:
+                self._digests[seq.request_id] = self.runner.prefix_digests(_prompt(seq))
+            held = self.runner.cached_prefix_length(self._digests[seq.request_id])
+        else:
+            held = self._offsets[seq.request_id] + self.runner.length(row)
         return len(seq.token_ids) - held
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
@@ -73,6 +89,8 @@ class DraftModelProposer:
         drafts = draft_autoregressively(self.runner, rows, seqs, num_tokens,
                                         offsets=[self._offsets[seq.request_id] for seq in seqs],
                                         confidence_threshold=self.confidence_threshold, branches=self.branches)
+        if not self.runner.prompt_kernels:  # (the prompt went in the drafting passes)
+            self._offer_prompts([(seq, row) for seq, row, k in zip(seqs, rows, num_tokens) if k > 0])
         # The chain the cache was fed: a tree's first children (`chain_with_leaves` puts the chain first); never its leaves.
         for seq, draft in zip(seqs, drafts):
             self._drafted[seq.request_id] = (len(seq.token_ids), draft.first_children().token_ids)
@@ -88,6 +106,13 @@ class DraftModelProposer:
                 fed.append((row, seq.token_ids[held:prompt_length]))
         if fed:
             self.runner.forward([row for row, _ in fed], [ids for _, ids in fed], [1] * len(fed), prompt=True)
+        self._offer_prompts(drafting)
+
+    def _offer_prompts(self, drafting: list[tuple[SequenceState, int]]) -> None:
+        """The prompt blocks rows read from its first token now hold become findable by later requests."""
+        for seq, row in drafting:
+            if self._offsets[seq.request_id] == 0:
+                self.runner.register_prefix(row, _prompt(seq))
 
     def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
         # The cache holds the old tokens and the drafted chain fed back; the drafted tokens the
@@ -111,13 +136,23 @@ class DraftModelProposer:
 
     def release(self, seq: SequenceState) -> None:
         self._drafted.pop(seq.request_id, None)
+        self._digests.pop(seq.request_id, None)
         row = self._rows.pop(seq.request_id, None)
         self._offsets.pop(seq.request_id, None)
         if row is not None:
             self.runner.free(row)
 
+    def reset_prefix_cache(self) -> None:
+        """No request finds an earlier one's prompt in the draft model's cache any more."""
+        self.runner.blocks.reset_prefix_cache()
+
     def footprint(self) -> Footprint:
         return Footprint(module_bytes(self.runner.model), ModelRunner.kv_bytes_per_token(self.runner.model))
+
+
+def _prompt(seq: SequenceState) -> list[int]:
+    tokens = seq.token_ids
+    return tokens[:len(tokens) - len(seq.output_ids)]
 
 
 @dataclass(slots=True)
@@ -192,7 +227,8 @@ def _draft_runner(draft_model, target: Target) -> ModelRunner:
     draft_model.prompt_kernels = runner.prompt_kernels  # (the target's rule: `DraftModelProposer`)
     return ModelRunner(draft_model, target.max_num_seqs, target.max_model_len,
                        num_blocks=runner.blocks.num_blocks + target.max_num_seqs,
-                       block_size=runner.blocks.block_size, step_mode=runner.step_mode)
+                       block_size=runner.blocks.block_size, step_mode=runner.step_mode,
+                       prefix_caching=runner.blocks.prefix_caching)
 
 
 register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up), or another one with "

@@ -65,6 +65,11 @@ class SuffixThenModelProposer:
     def forget_history(self) -> None:
         self.suffix.forget_history()
 
+    def reset_prefix_cache(self) -> None:
+        reset = getattr(self.model, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
     def lag(self, seq: SequenceState) -> int:
         return 0 if self._suffix_drafts(seq) else self.model.lag(seq)
 
