@@ -150,8 +150,8 @@ def check_draft_model_prefix_cache(model, prompt_kernels: bool) -> None:
     prompt_ids = llm.tokenizer.encode(prompts[1])
     shared = draft_blocks.cached_prefix_length(draft_blocks.prefix_digests(prompt_ids))
     assert shared >= 16 * (len(llm.tokenizer.encode(SYSTEM)) // 16 - 1) > 0
-    waiting = SimpleNamespace(request_id="not started", token_ids=prompt_ids, output_ids=[])
-    assert proposer.lag(waiting) == len(prompt_ids) - shared
+    waiting = SimpleNamespace(request_id="not started", token_ids=prompt_ids + [7], output_ids=[7])
+    assert proposer.lag(waiting) == len(prompt_ids) + 1 - shared
     second = llm.generate(prompts[1], params)[0]
     assert draft_blocks.prefix_hits == shared
     assert [first.token_ids, second.token_ids] == expected

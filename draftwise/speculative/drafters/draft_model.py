@@ -64,7 +64,8 @@ class DraftModelProposer:
         if seq.request_id not in self._rows:
             self._rows[seq.request_id] = row = self.runner.allocate()
             self._offsets[seq.request_id] = 0
-            self.runner.share_prefix(row, _prompt(seq))  # (0 tokens without prefix caching)
+            if _shares(seq):
+                self.runner.share_prefix(row, _prompt(seq))  # (0 tokens without prefix caching)
             self._digests.pop(seq.request_id, None)
         row = self._rows[seq.request_id]
         if self.context_window is not None and self._backlog(seq) > self.context_window:
@@ -74,7 +75,9 @@ class DraftModelProposer:
 
     def _backlog(self, seq: SequenceState) -> int:
         row = self._rows.get(seq.request_id)
-        if row is None:  # what its row would start with (the prompt's hashes taken once a request)
+        if row is None and not _shares(seq):
+            held = 0
+        elif row is None:  # what its row would start with (the prompt's hashes taken once a request)
             if seq.request_id not in self._digests:
                 self._digests[seq.request_id] = self.runner.prefix_digests(_prompt(seq))
             held = self.runner.cached_prefix_length(self._digests[seq.request_id])
@@ -111,7 +114,7 @@ class DraftModelProposer:
     def _offer_prompts(self, drafting: list[tuple[SequenceState, int]]) -> None:
         """The prompt blocks rows read from its first token now hold become findable by later requests."""
         for seq, row in drafting:
-            if self._offsets[seq.request_id] == 0:
+            if self._offsets[seq.request_id] == 0 and _shares(seq):
                 self.runner.register_prefix(row, _prompt(seq))
 
     def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
@@ -148,6 +151,13 @@ class DraftModelProposer:
 
     def footprint(self) -> Footprint:
         return Footprint(module_bytes(self.runner.model), ModelRunner.kv_bytes_per_token(self.runner.model))
+
+
+def _shares(seq: SequenceState) -> bool:
+    """Whether a sequence takes part in prefix caching: a request is drafted for once its prompt pass
+    gave it a first token, so its rows never roll back into its prompt; a sequence without output (the
+    cost profile's, which also times a catch-up from nothing) neither finds nor offers blocks."""
+    return bool(seq.output_ids)
 
 
 def _prompt(seq: SequenceState) -> list[int]:
