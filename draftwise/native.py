@@ -12,10 +12,12 @@ or test them).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -126,10 +128,31 @@ def compile_build(family: str, which: Build):
     folder = build_folder(family, which)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=extension_name(family, which),
-                                  sources=[str(source) for source in which.sources], extra_cflags=list(which.flags),
-                                  extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        with builder_lock(folder):
+            return cpp_extension.load(name=extension_name(family, which),
+                                      sources=[str(source) for source in which.sources],
+                                      extra_cflags=list(which.flags), extra_ldflags=["-fopenmp"],
+                                      build_directory=str(folder), verbose=False)
     except Exception as error:  # a failed build must not stop the engine: PyTorch's ops remain
         log.warning("native %s kernels (%s) failed to build, using PyTorch's: %s", family, which.isa,
                     str(error).splitlines()[0])
         return None
+
+
+@contextmanager
+def builder_lock(folder: Path):
+    """One process at a time compiles or loads a build folder, under a lock the system lets go of
+    when its holder dies. PyTorch's builder marks its own turn with a file, `lock`, which it removes
+    when done and waits on for ever while it exists: a process killed while compiling left one, and
+    every later start hung before its first request. Holding this lock, any such file is a dead
+    builder's, and is removed."""
+    with open(folder / "builder.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

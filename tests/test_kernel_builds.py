@@ -81,3 +81,31 @@ def test_a_family_that_fails_to_compile_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(kernel_builds, "compile_command", lambda module_name, getter: "raise SystemExit(1)")
     kernel_builds.start_kernel_builds("cpu").wait()
     assert "(d failed: tried again at first use)" in capsys.readouterr().err
+
+
+def test_a_build_left_unfinished_by_a_killed_process_does_not_hang_the_next_start(tmp_path):
+    """PyTorch's builder waits for ever on the `lock` file a builder killed mid-compile leaves; the
+    next process to load the family removes it (it holds the builder lock, so the file is stale) and
+    loads the build. (In a copy of this machine's built attention kernels, so nothing compiles.)"""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from draftwise.cache.attention_backend import BUILDS
+
+    which = native.chosen(BUILDS)
+    if which is None or native.needs_compiling("attention", BUILDS):
+        native.build("attention", BUILDS)
+    if which is None or native.needs_compiling("attention", BUILDS):
+        pytest.skip("no native attention build on this machine")
+    built = native.build_folder("attention", which)
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "builder.lock"))
+    (copy / "lock").touch()  # what a build killed mid-compile leaves
+    code = ("from draftwise import native; from draftwise.cache.attention_backend import BUILDS; "
+            "print('loaded' if native.compile_build('attention', native.chosen(BUILDS)) is not None else 'none')")
+    env = {**__import__("os").environ, "DRAFTWISE_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert result.stdout.strip().endswith("loaded"), result.stdout[-2000:] + result.stderr[-2000:]
+    assert not (copy / "lock").exists()
