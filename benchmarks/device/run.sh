@@ -14,7 +14,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "=== cuda tests"; date
 timeout "$T_TESTS" python3 -m pytest -q -m cuda -p no:cacheprovider --timeout 100 -rfE tests/test_triton_rmsnorm.py \
   tests/test_static_step.py tests/test_triton_attention.py tests/test_token_tree.py tests/test_triton_linear.py \
-  tests/test_triton_rotary.py tests/test_triton_silu_mul.py tests/test_triton_kv_write.py tests/test_cuda_row_invariance.py
+  tests/test_triton_rotary.py tests/test_triton_silu_mul.py tests/test_triton_kv_write.py tests/test_cuda_row_invariance.py \
+  tests/test_cuda_quantized.py
 echo "=== gpu suite"; date
 timeout "$T_BENCH" python3 -m draftwise bench --suite gpu --device cuda --load-format dummy \
   --model .gpu/qwen2.5-coder-1.5b --reference .gpu/graph_step.py --peers hf --output /tmp/bench "$@"

@@ -13,6 +13,7 @@ from draftwise.loading.dummy import dummy_model
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
 from draftwise.quant.apply import QuantizationReport, check_quantization, float_free_weights, quantize_model
+from draftwise.quant.cuda_linear import int4_supported
 from draftwise.quant.packed_cache import cache_path, load_packed, save_packed
 from draftwise.model.transformer import Transformer
 from draftwise.model.unallocated import unallocated_transformer
@@ -124,17 +125,31 @@ def _expert_state(take, src: str, dst: str, config: ModelConfig) -> dict[str, to
 
 
 def resolve_quantization(mode: str, device: torch.device | str, dtype: torch.dtype, *, draft: bool = False) -> str:
-    """`auto`: int4 on CPU (where PyTorch has its packed kernels), the float weights elsewhere.
+    """`auto`: int4 on CPU (this project's kernels), the float weights elsewhere.
 
-    For a draft model `auto` means int4_all: its accuracy only moves the acceptance rate.
+    For a draft model `auto` means int4_all: its accuracy only moves the acceptance rate. On CUDA,
+    int4 / int4_all / int8 are asked for by name and take PyTorch's kernels (`quant/cuda_linear.py`),
+    with bfloat16 activations.
     """
     check_quantization(mode)
+    kind = torch.device(device).type
     if mode == "auto":
-        if torch.device(device).type != "cpu" or dtype != torch.float32:
+        if kind != "cpu" or dtype != torch.float32:
             return "none"
         return "int4_all" if draft else "int4"
-    if mode != "none" and (torch.device(device).type != "cpu" or dtype != torch.float32):
-        raise InvalidParameterError(f"quantization {mode!r} needs device cpu and dtype float32 (for now)")
+    if mode == "none":
+        return mode
+    if kind == "cuda":
+        if dtype != torch.bfloat16:
+            raise InvalidParameterError(f"quantization {mode!r} on CUDA needs dtype bfloat16 (PyTorch's int4 and "
+                                        f"int8 kernels take bf16 activations), got {dtype}")
+        if mode.startswith("int4"):
+            why = int4_supported(torch.device(device))
+            if why is not None:
+                raise InvalidParameterError(f"quantization {mode!r}: {why}; use 'int8' or 'none'")
+        return mode
+    if kind != "cpu" or dtype != torch.float32:
+        raise InvalidParameterError(f"quantization {mode!r} needs device cpu with dtype float32, or cuda with bfloat16")
     return mode
 
 
@@ -173,14 +188,15 @@ def _build_model(folder: Path, device: torch.device | str, dtype: torch.dtype, p
         elif pack_cpu_weights:
             pack_linear_layers(model)
         return model
-    if mode != "none":
+    on_cpu = torch.device(device).type == "cpu"  # (CUDA's layers pack on the device, quickly: not cached)
+    if mode != "none" and on_cpu:
         cached = _load_packed_model(folder, config, mode)
         if cached is not None:
             return cached
     # Weights that quantizing takes whole from the file's integers are not read (meta placeholders
     # until their layers are replaced); the rest are, and each float layer is freed as it is quantized.
     model = unallocated_transformer(config)
-    unread = float_free_weights(model, mode, folder) if mode != "none" else set()
+    unread = float_free_weights(model, mode, folder, device) if mode != "none" else set()
     tensors = _offset_norms(_read_tensors(folder, unread=unread), config)  # (its errors name the folder)
     try:
         state = _fused_state(tensors, config)
@@ -201,7 +217,8 @@ def _build_model(folder: Path, device: torch.device | str, dtype: torch.dtype, p
         placeholders = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
         if placeholders:  # (a policy and its prediction of what it reads that disagree: a bug, said plainly)
             raise RuntimeError(f"{folder}: weights left unread that quantization did not replace: {placeholders[:5]}")
-        save_packed(model, model.quantization, cache_path(folder, mode))
+        if on_cpu:
+            save_packed(model, model.quantization, cache_path(folder, mode))
         pack_linear_layers(model)  # (the float ones left, a mixture of experts' routers: row-independent)
     elif pack_cpu_weights:
         pack_linear_layers(model)

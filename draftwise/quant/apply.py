@@ -14,6 +14,8 @@ accuracy only moves the acceptance rate, never the output.
 `int8` puts every linear layer in int8 per channel. The token embedding: int4 from the file where it is
 stored as Q4_K (exact, a sixth of the float table's memory), int4 quantized here under `int4_all`,
 float otherwise (`quant/embedding.py`).
+On CUDA the same policy takes PyTorch's kernels (`cuda_linear.py`): no Q6_K there (wider parts are
+int8), int8 too for a shape PyTorch's int4 kernel does not take, and the embedding stays float.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import nn
 
 from draftwise.errors import InvalidParameterError
 from draftwise.model.config import ModelConfig
+from draftwise.quant.cuda_linear import CudaInt4Linear, CudaInt8Linear, int4_fits
 from draftwise.quant.embedding import Int4Embedding
 from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
 from draftwise.quant.q6k_linear import Q6KLinear, q6k_kernel_available
@@ -154,41 +157,43 @@ def _int4_parts(weight: torch.Tensor, sources: list[tuple[str, int]], groups: di
     return parts, all(name in groups for name, _ in sources)
 
 
-def _layer_kind(mode: str, names: list[str], in_features: int, groups: Mapping, superblocks: Mapping,
-                types: dict[str, str]) -> str:
-    """How the policy above quantizes a linear layer made of these checkpoint weights: "q6k" (the
-    file's Q6_K), "int8", or "int4" (the file's Q4_K groups where every part has them)."""
+def _layer_kind(mode: str, names: list[str], shape: tuple[int, int], groups: Mapping, superblocks: Mapping,
+                types: dict[str, str], cuda: bool = False) -> str:
+    """How the policy above quantizes a linear layer of `shape` [N, K] made of these checkpoint
+    weights: "q6k" (the file's Q6_K), "int8", or "int4" (the file's Q4_K groups where every part has
+    them); `cuda`: for PyTorch's CUDA kernels."""
     wider = not all(name in groups or types.get(name) in _FLOAT_TYPES for name in names)
     q6k = all(types.get(name) == "Q6_K" and name in superblocks for name in names)
-    if mode == "int4" and q6k and q6k_kernel_available(in_features):
+    if mode == "int4" and q6k and not cuda and q6k_kernel_available(shape[1]):
         return "q6k"
-    if mode == "int8" or (mode == "int4" and wider):
+    if mode == "int8" or (mode == "int4" and wider) or (cuda and not int4_fits(*shape)):
         return "int8"
     return "int4"
 
 
-def float_free_weights(model: nn.Module, mode: str, folder: Path) -> set[str]:
+def float_free_weights(model: nn.Module, mode: str, folder: Path, device: torch.device | str = "cpu") -> set[str]:
     """The checkpoint weights whose float values quantizing `model` (built, on any device) in `mode`
-    never reads: every layer made of them (and the embedding, where it is one) comes from the
-    file's own integers. A loader need not read them (the 1.5B's float copy is 6 GB; its Q4_K and
-    Q6_K layers ~1 GB)."""
+    for `device` never reads: every layer made of them (and the embedding, where it is one) comes
+    from the file's own integers. A loader need not read them (the 1.5B's float copy is 6 GB; its
+    Q4_K and Q6_K layers ~1 GB)."""
     if not mode.startswith("int4"):
         return set()
+    cuda = torch.device(device).type == "cuda"
     groups, superblocks, types = read_q4k_groups(folder), read_superblocks(folder), stored_types(folder)
     covered, needed = set(), set()
     for path, sources in linear_sources(model.config).items():
         names = [name for name, _ in sources]
-        in_features = model.get_submodule(path).in_features
-        kind = _layer_kind(mode, names, in_features, groups, superblocks, types)
+        layer = model.get_submodule(path)
+        kind = _layer_kind(mode, names, (layer.out_features, layer.in_features), groups, superblocks, types, cuda)
         from_file = kind == "q6k" or (kind == "int4" and all(name in groups for name in names))
         (covered if from_file else needed).update(names)
-    (covered if _embedding_from_file(mode, groups) else needed).add(EMBEDDING_WEIGHT)
+    (covered if _embedding_from_file(mode, groups, cuda) else needed).add(EMBEDDING_WEIGHT)
     return covered - needed
 
 
-def _embedding_from_file(mode: str, groups: Mapping) -> bool:
+def _embedding_from_file(mode: str, groups: Mapping, cuda: bool) -> bool:
     """Whether the token embedding becomes the file's own Q4_K groups (else float, or quantized here)."""
-    return mode.startswith("int4") and EMBEDDING_WEIGHT in groups
+    return mode.startswith("int4") and EMBEDDING_WEIGHT in groups and not cuda
 
 
 def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> QuantizationReport:
@@ -197,29 +202,46 @@ def quantize_model(model: nn.Module, mode: str, folder: Path | None) -> Quantiza
     groups = read_q4k_groups(folder) if mode.startswith("int4") and folder is not None else {}
     superblocks = read_superblocks(folder) if mode.startswith("int4") and folder is not None else {}
     types = stored_types(folder) if folder is not None else {}
+    device = model.norm.weight.device
+    cuda = device.type == "cuda"
     for path, sources in linear_sources(model.config).items():
         parent_path, _, attribute = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         linear: nn.Linear = getattr(parent, attribute)
         weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach().clone()
         names = [name for name, _ in sources]
-        kind = _layer_kind(mode, names, weight.shape[1], groups, superblocks, types)
+        kind = _layer_kind(mode, names, tuple(weight.shape), groups, superblocks, types, cuda)
         if kind == "q6k":
             joined = _joined([superblocks[name] for name in names])
             replacement = Q6KLinear(joined["q"], joined["sub_scales"], joined["d"], bias)
             report.q6k_from_file.append(path)
         elif kind == "int8":
-            replacement = Int8Linear(weight, bias)
+            replacement = CudaInt8Linear(weight, bias) if cuda else Int8Linear(weight, bias)
             report.int8.append(path)
         else:
             parts, from_file = _int4_parts(weight, sources, groups)
-            q4k = from_file and all(types.get(name) == "Q4_K" and name in superblocks for name in names)
-            factors = _joined([superblocks[name] for name in names]) if q4k else None
-            replacement = Int4Linear(*(torch.cat(tensors) for tensors in zip(*parts)), bias, factors=factors)
+            if cuda:  # (the file's groups are read to the CPU, groups quantized here are on the GPU)
+                joined_parts = (torch.cat([part.to(device) for part in tensors]) for tensors in zip(*parts))
+                replacement = CudaInt4Linear(*joined_parts, bias, device)
+            else:
+                q4k = from_file and all(types.get(name) == "Q4_K" and name in superblocks for name in names)
+                factors = _joined([superblocks[name] for name in names]) if q4k else None
+                replacement = Int4Linear(*(torch.cat(tensors) for tensors in zip(*parts)), bias, factors=factors)
             (report.int4_from_file if from_file else report.int4_quantized).append(path)
         setattr(parent, attribute, replacement)
-    _quantize_embedding(model, mode, groups, types, report)
+    if not cuda:
+        _quantize_embedding(model, mode, groups, types, report)
     return report
+
+
+def quantized_layer(mode: str, weight: torch.Tensor) -> nn.Module:
+    """A bias-free layer for the float weight [N, K] in the format `mode` gives layers quantized
+    here (int4 for int4 modes, else int8), on its device's kernels."""
+    cuda = weight.device.type == "cuda"
+    if mode.startswith("int4") and (not cuda or int4_fits(*weight.shape)):
+        groups = quantize_int4_groups(weight)
+        return CudaInt4Linear(*groups, None, weight.device) if cuda else Int4Linear(*groups, None)
+    return CudaInt8Linear(weight, None) if cuda else Int8Linear(weight, None)
 
 
 def _quantize_embedding(model: nn.Module, mode: str, groups: dict, types: dict, report: QuantizationReport) -> None:
@@ -227,7 +249,7 @@ def _quantize_embedding(model: nn.Module, mode: str, groups: dict, types: dict, 
     the file stores in another quantized type to int4 too; a float table stays float (so that a model
     drafting for itself looks up the same rows as itself as target)."""
     name = EMBEDDING_WEIGHT
-    if _embedding_from_file(mode, groups):
+    if _embedding_from_file(mode, groups, cuda=False):
         model.embed_tokens = Int4Embedding(*groups[name])
         report.embedding = "int4 from the file's Q4_K"
     elif mode == "int4_all" and types.get(name) not in _FLOAT_TYPES:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from draftwise.paths import cache_root
-from draftwise.quant.linear import Int4Linear, Int8Linear, quantize_int4_groups
+from draftwise.quant.apply import quantized_layer
 from draftwise.text.tokenizer import Tokenizer
 
 CORPUS_CHARS = 6_000_000
@@ -102,10 +102,8 @@ def lm_rows_layer(model: nn.Module, kept_ids: torch.Tensor) -> nn.Module:
     mode = model.quantization.mode
     if mode.startswith("int4") and len(kept_ids) % 16:  # the packed int4 kernel wants N % 16 == 0
         weight = torch.cat([weight, weight.new_zeros(16 - len(kept_ids) % 16, weight.shape[1])])
-    if mode.startswith("int4"):
-        head = Int4Linear(*quantize_int4_groups(weight), None)
-    elif mode == "int8":
-        head = Int8Linear(weight, None)
+    if mode != "none":
+        head = quantized_layer(mode, weight)
     else:
         weight = weight.to(model.norm.weight.dtype)
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
