@@ -79,3 +79,67 @@ def test_building_the_parser_imports_no_server_packages():
              "print(sorted(m for m in ('pydantic', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+
+
+def test_speculation_flags_without_a_method_are_refused_not_ignored():
+    from draftwise.cli import build_parser
+    from draftwise.cli.speculative_flags import speculative_from_args
+    from draftwise.errors import InvalidParameterError
+
+    for flags, named in ((["-k", "3"], "-k"), (["--fixed-k"], "--fixed-k"), (["--draft-probability", "0.5"],
+                                                                              "--draft-probability")):
+        args = build_parser().parse_args(["generate", "x", *flags])
+        try:
+            speculative_from_args(args)
+        except InvalidParameterError as error:
+            assert named in str(error) and "need --method" in str(error)
+        else:
+            raise AssertionError(f"{flags} without --method was accepted")
+    plain = build_parser().parse_args(["generate", "x"])
+    assert speculative_from_args(plain) is None
+    spec = speculative_from_args(build_parser().parse_args(["generate", "x", "--method", "ngram"]))
+    assert spec["num_speculative_tokens"] == 5 and spec["draft_probability"] == 1.0 and spec["adaptive"]
+
+
+def test_a_true_or_false_option_reads_its_words():
+    from draftwise.cli import build_parser
+    from draftwise.cli.speculative_flags import speculative_from_args
+
+    def cross(word):
+        args = build_parser().parse_args(["generate", "x", "--method", "draft", "--cross-tokenizer", word])
+        return speculative_from_args(args)["cross_tokenizer"]
+
+    assert cross("false") is False and cross("0") is False and cross("true") is True and cross("True") is True
+    result = run("generate", "x", "--method", "draft", "--cross-tokenizer", "maybe")
+    assert result.returncode == 2 and "expected true or false, got 'maybe'" in result.stderr
+
+
+def test_a_broken_model_folder_is_named_without_traceback(tiny_qwen, tmp_path):
+    import json
+    import shutil
+
+    cases = {}
+    for name, (file, text) in {
+        "tokenizer": ("tokenizer.json", '{"model": 3}'),
+        "tokenizer-config": ("tokenizer_config.json", "{not json"),
+        "config": ("config.json", None),
+    }.items():
+        folder = tmp_path / name
+        shutil.copytree(tiny_qwen, folder)
+        if text is None:  # a config that disagrees with the weights
+            config = json.loads((folder / file).read_text())
+            text = json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2})
+        (folder / file).write_text(text)
+        cases[name] = folder
+    expected = {"tokenizer": "tokenizer.json: not a readable tokenizer",
+                "tokenizer-config": "tokenizer_config.json: unreadable",
+                "config": "config.json disagrees with the weights"}
+    for name, folder in cases.items():
+        result = run("generate", "--model", str(folder), "--max-tokens", "2", "--quantization", "none", "x")
+        assert result.returncode == 2, (name, result.stderr)
+        assert expected[name] in result.stderr and "Traceback" not in result.stderr, result.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        result = run("generate", "--model", str(tiny_qwen), "--device", "cuda", "x")
+        assert result.returncode == 2 and "no CUDA GPU here" in result.stderr and "Traceback" not in result.stderr

@@ -196,3 +196,64 @@ def test_n_choices_stream_side_by_side(server):
     chat = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
                                                temperature=1.0, seed=2, max_tokens=5, stream=True))
     assert {c.choices[0].index for c in chat if c.choices} == {0, 1}
+
+
+def test_prompt_logprobs_in_a_chat_answer_and_refused_with_stream(server):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 1}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    listed = answer["prompt_logprobs"]  # (vLLM's place: beside the choices)
+    assert listed[0] is None and len(listed) == answer["usage"]["prompt_tokens"] and len(listed[1]) >= 1
+    for path, body in (("/v1/chat/completions", chat),
+                       ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "prompt_logprobs": 1})):
+        refused = httpx.post(server.url + path, json={**body, "stream": True}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_errors_name_the_field_that_is_wrong(server):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 25}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "logit_bias": {"\u00b2": 1}},
+         "logit_bias"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "assistant", "name": "bob", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].name"),
+    ]
+    for path, body, param in cases:
+        response = httpx.post(server.url + path, json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == param, response.text
+
+
+def test_a_client_gone_before_its_samples_begin_aborts_them_all(server):
+    """n = 12 samples on 4 rows are admitted together (before, each sample waited for the one before it
+    to begin, so at most 5 were ever in the engine, and the rest ran on after the client left), and a
+    client that leaves takes them all with it."""
+    import json
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    body = json.dumps({"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 200, "ignore_eos": True, "n": 12,
+                       "temperature": 1.0, "seed": 3}).encode()
+    address = urlparse(server.url)
+    llm = server.llm
+    with socket.create_connection((address.hostname, address.port), timeout=30) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline, most = time.time() + 30, 0
+        while time.time() < deadline and most < 12:
+            stats = llm.engine_stats()
+            most = max(most, stats["running"] + stats["waiting"])
+            time.sleep(0.005)
+        assert most == 12  # every sample in the engine at once
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = llm.engine_stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_in_use"] == 0
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'reason="client_disconnected"' in metrics

@@ -48,3 +48,15 @@ def test_a_partial_tag_is_held_back_until_the_text_says_what_it_is():
                                         ("<tool_call>", 0), ("a <b", 0)])
 def test_holdback_counts_the_characters_that_may_open_a_call(text, held):
     assert holdback(text) == held
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_call_cut_off_at_the_end_streams_as_the_content_a_whole_answer_has(size):
+    """A call the answer never finished (max_tokens) is no call: the non-streamed answer's content is
+    all its text (`answer_message`), and so is the stream's."""
+    from draftwise.server.tools import answer_message
+
+    cut = "Sure. " + CALL[:40]
+    deltas = stream(cut, size)
+    assert "".join(delta.get("content", "") for delta in deltas) == cut == answer_message(cut)[0]["content"]
+    assert not any("tool_calls" in delta for delta in deltas)

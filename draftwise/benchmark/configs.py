@@ -82,7 +82,7 @@ class LLMRecipe:
     speculative: dict | None = None
     quantization: str = "auto"
     max_num_seqs: int = 1
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # (None: the LLM's default)
     native_kernels: bool = True  # False: quantized layers on PyTorch's packed kernels
     int8_activations: bool = True  # False: quantized layers keep bf16 activations (else as measured here)
     native_layers: bool = True  # False: decoder layers op by op from Python (the same kernels)

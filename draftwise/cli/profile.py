@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from draftwise.cli.model_flags import add_model_arguments, model_keywords
-from draftwise.cli.speculative_flags import speculative_from_args
+from draftwise.cli.speculative_flags import num_speculative_tokens, speculative_from_args
 
 ACCEPTANCE_RATES = (0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> None:
         print(live_table(llm, costs, args.live))
     if speculative is None:
         return
-    k_max = args.num_speculative_tokens
+    k_max = num_speculative_tokens(args)
     plain = costs.step_seconds(0)
     print(f"\nBest k per acceptance rate (constant over positions; k <= {k_max}):\n")
     print("| acceptance | best k | tokens/step | speedup over plain |\n|---|---|---|---|")

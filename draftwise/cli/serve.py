@@ -28,7 +28,8 @@ def add_parser(commands) -> None:
     serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
-    serve.add_argument("--max-model-len", type=int, default=4096, help="context length")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: 4096, or the model's if fewer)")
     serve.add_argument("--kv-cache-memory-gb", type=float, default=None,
                        help="KV cache budget (default: max-num-seqs x max-model-len tokens)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -82,7 +83,9 @@ def build_server(args: argparse.Namespace, announce: bool = True):
     from draftwise.server.security import default_allowed_hosts
     from draftwise.speculative.registry import all_specs
 
-    kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb else None
+    if args.kv_cache_memory_gb is not None and not args.kv_cache_memory_gb > 0:  # (0 is no budget, not the default)
+        raise InvalidParameterError(f"--kv-cache-memory-gb must be positive, got {args.kv_cache_memory_gb}")
+    kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb is not None else None
     llm = LLM(args.model, **model_keywords(args),
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
               speculative=speculative_from_args(args))

@@ -12,6 +12,8 @@ import typing
 from draftwise.errors import InvalidParameterError
 from draftwise.speculative.registry import all_specs, names
 
+DEFAULT_K = 5  # -k when not given
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OptionFlag:
@@ -49,11 +51,11 @@ def add_option_arguments(command: argparse.ArgumentParser) -> None:
 def add_speculative_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--method", choices=names(), default=None,
                          help="speculate with: " + "; ".join(f"{s.name}: {s.summary}" for s in all_specs()))
-    command.add_argument("-k", "--num-speculative-tokens", type=int, default=5,
-                         help="most tokens drafted per step (exactly this many with --fixed-k)")
+    command.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                         help=f"most tokens drafted per step (exactly this many with --fixed-k; default {DEFAULT_K})")
     command.add_argument("--fixed-k", action="store_true", help="always draft k tokens (default: adaptive k)")
-    command.add_argument("--draft-probability", type=float, default=1.0,
-                         help="randomized drafting: draft with this probability per step")
+    command.add_argument("--draft-probability", type=float, default=None,
+                         help="randomized drafting: draft with this probability per step (default 1)")
     add_option_arguments(command)
 
 
@@ -71,12 +73,20 @@ def speculative_from_args(args: argparse.Namespace) -> dict | None:
     """The `speculative` dict for `--method` and the flags given (None without --method)."""
     given = given_options(args)
     if not args.method:
-        if given:
-            raise InvalidParameterError(f"{_flags(given)} need --method")
+        shared = [flag for flag, value in (("-k", args.num_speculative_tokens), ("--fixed-k", args.fixed_k or None),
+                                           ("--draft-probability", args.draft_probability)) if value is not None]
+        if given or shared:
+            raise InvalidParameterError(f"{', '.join(shared + ([_flags(given)] if given else []))} need --method")
         return None
-    return {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
-            "adaptive": not args.fixed_k, "draft_probability": args.draft_probability,
+    return {"method": args.method, "num_speculative_tokens": num_speculative_tokens(args),
+            "adaptive": not args.fixed_k,
+            "draft_probability": 1.0 if args.draft_probability is None else args.draft_probability,
             **options_for(args.method, given, strict=True)}
+
+
+def num_speculative_tokens(args: argparse.Namespace) -> int:
+    """-k as given, else its default."""
+    return DEFAULT_K if args.num_speculative_tokens is None else args.num_speculative_tokens
 
 
 def speculative_arguments(spec: dict | None) -> list[str]:
@@ -123,8 +133,16 @@ def _flags(names_: object) -> str:
     return ", ".join(sorted(by_name[name] for name in names_))
 
 
-def _flag_type(hint) -> type:
-    """int for `int | None`, and so on."""
+def _flag_type(hint):
+    """int for `int | None`, and so on; a bool option reads true/false (argparse's `bool` would take
+    any non-empty text, "false" included, as True)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return hint
+    return _boolean if hint is bool else hint
+
+
+def _boolean(text: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return words[text.lower()]

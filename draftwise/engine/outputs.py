@@ -95,4 +95,12 @@ class RequestOutput:
         """vLLM's shape: the request's completions (one unless n > 1)."""
         if self.completions is not None:
             return self.completions
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs,
+                                 cumulative_logprob(self.token_ids, self.logprobs))]
+
+
+def cumulative_logprob(token_ids: list[int], logprobs: SampleLogprobs | None) -> float | None:
+    """The sum of the sampled tokens' logprobs (None without logprobs), vLLM's `cumulative_logprob`."""
+    if logprobs is None:
+        return None
+    return sum(entry[token].logprob for token, entry in zip(token_ids, logprobs))

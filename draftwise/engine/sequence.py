@@ -73,10 +73,13 @@ class Sequence:
             self.output_ids.append(token)
             committed += 1
             if token in self._eos_token_ids or token in self._stop_token_ids:
+                if self.params.include_stop_str_in_output:  # (vLLM's: the ending token's text too; a
+                    self._detokenizer.add([token])  # special token's as skip_special_tokens says)
                 self.finish_reason = "stop"
             else:
                 delta = self._detokenizer.add([token])
-                if delta and self._find_stop_string(len(delta)):
+                # (stop strings count from min_tokens on, as vLLM's: before, neither they nor EOS end a request)
+                if delta and len(self.output_ids) >= self.params.min_tokens and self._find_stop_string(len(delta)):
                     self.finish_reason = "stop"
             if not self.finished and len(self.output_ids) >= self._max_new:
                 self.finish_reason = "length"

@@ -15,9 +15,18 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        chosen = torch.device(device)
     except (RuntimeError, TypeError):
         raise InvalidParameterError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidParameterError(f"device {device!r}: no CUDA GPU here (this torch build "
+                                        f"{'has no CUDA' if torch.version.cuda is None else 'finds no GPU'})")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise InvalidParameterError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA GPUs here")
+    elif chosen.type != "cpu":
+        raise InvalidParameterError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    return chosen
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -14,7 +14,7 @@ from draftwise.engine.hidden_states import HiddenRecorder
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
-from draftwise.errors import InvalidParameterError, ModelFormatError
+from draftwise.errors import DraftwiseError, InvalidParameterError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
 from draftwise.llm.host_memory import release_freed_memory
 from draftwise.llm.kernel_builds import start_kernel_builds
@@ -22,7 +22,7 @@ from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
                                     prompt_parts, request_speculation)
-from draftwise.loading.hf_folder import load_model
+from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
@@ -36,6 +36,8 @@ from draftwise.speculative.proposer import Proposer
 from draftwise.speculative.registry import Target
 from draftwise.structured.compiler import GrammarCompiler
 from draftwise.text.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 4096  # (or the model's positions, if fewer)
 
 
 @dataclass(slots=True)
@@ -53,7 +55,7 @@ class LLM:
         *,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         max_num_seqs: int = 8,
         kv_cache_memory_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
@@ -78,8 +80,8 @@ class LLM:
         generated tokens by the decoding kernels, so that outputs stay independent of batching
         (`model/prompt_pass.py`); the prefix cache then shares blocks of prompt tokens only, not a
         previous answer a follow-up repeats. None (default): on where the prefix cache is off."""
-        for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                            ("block_size", block_size)):
+        for name, value in (("max_model_len", DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len),
+                            ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_memory_bytes is not None and (not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes <= 0):
@@ -98,6 +100,10 @@ class LLM:
         self.model_folder = resolve_model(model, progress=progress)  # (an error here does not wait for them)
         self.model_name = model
         self.tokenizer = Tokenizer(self.model_folder)
+        positions = read_config(self.model_folder).max_position_embeddings
+        if max_model_len is not None and max_model_len > positions:  # (vLLM's rule: said, not shortened)
+            raise InvalidParameterError(f"max_model_len {max_model_len} is more than the {positions} positions this model "
+                                        f"was made for (max_position_embeddings in {self.model_folder / 'config.json'})")
         config = SpeculativeConfig.from_value(speculative)
         self._check_drafter(config, progress)  # before any weights load: fail fast
         kernel_builds.wait()
@@ -108,7 +114,7 @@ class LLM:
                 f"{self.model_folder}: tokenizer has {self.tokenizer.vocab_size} tokens but the model's "
                 f"embedding only {self.model.config.vocab_size}")
         self.model.prompt_kernels = not enable_prefix_caching if prompt_kernels is None else prompt_kernels
-        self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
+        self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions) if max_model_len is None else max_model_len
         self.max_num_seqs = max_num_seqs
         num_blocks = None
         if kv_cache_memory_bytes is not None:
@@ -208,6 +214,15 @@ class LLM:
         return measure_costs(self.target, proposer, config, refresh)
 
     # --- requests ---------------------------------------------------------------------------
+    def _sequences(self, prompts: list, index: int, params: SamplingParams, segment: str | None) -> list[Sequence]:
+        """The requests of prompts[index] (one per sample); a bad prompt among several is named by its place."""
+        try:
+            return [self._make_sequence(prompts[index], sample, segment) for sample in per_sample(params)]
+        except DraftwiseError as error:
+            if len(prompts) == 1:
+                raise
+            raise type(error)(f"prompts[{index}]: {error}") from None
+
     def _make_sequence(self, prompt: str | TokensPrompt, params: SamplingParams,
                        segment: str | None = None) -> Sequence:
         text, prompt_ids = prompt_parts(prompt)
@@ -249,6 +264,9 @@ class LLM:
         its `error`; the others finish as they would have. segment: a traffic label (the adaptive
         controller keeps statistics per segment). With n > 1 (or best_of), every prompt's samples run
         as requests of their own and its output gathers them (`outputs`: vLLM's shape)."""
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise InvalidParameterError(f"prompts must be a string, a {{'prompt_token_ids': [...]}} dict or a list of "
+                                        f"them, got {type(prompts).__name__}")
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompt_list):
@@ -257,8 +275,8 @@ class LLM:
             params_list = [self._params(params) for params in sampling_params]
         else:
             params_list = [self._params(sampling_params)] * len(prompt_list)
-        groups = [[self._make_sequence(prompt, sample, segment) for sample in per_sample(params)]  # (validate all first)
-                  for prompt, params in zip(prompt_list, params_list)]
+        groups = [self._sequences(prompt_list, i, params, segment)  # (validate all first)
+                  for i, params in enumerate(params_list)]
         sequences = [seq for group in groups for seq in group]
         for seq in sequences:
             self.engine.check(seq)

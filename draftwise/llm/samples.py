@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from draftwise.engine.outputs import CompletionOutput, RequestOutput
+from draftwise.engine.outputs import CompletionOutput, RequestOutput, cumulative_logprob
 from draftwise.sampling.params import SamplingParams
 
 
@@ -42,9 +42,7 @@ def gathered(outputs: list[RequestOutput], params: SamplingParams) -> RequestOut
 
 
 def _cumulative(output: RequestOutput) -> float | None:
-    if output.logprobs is None:
-        return None
-    return sum(entry[token].logprob for token, entry in zip(output.token_ids, output.logprobs))
+    return cumulative_logprob(output.token_ids, output.logprobs)
 
 
 def _wrap(seed: int) -> int:

@@ -206,7 +206,7 @@ def _build_model(folder: Path, device: torch.device | str, dtype: torch.dtype, p
         state["lm_head.weight"] = state["embed_tokens.weight"]
     for name, tensor in state.items():  # (tensor by tensor; the placeholders stay as they are)
         state[name] = tensor if tensor.is_meta else tensor.to(device=device, dtype=dtype)
-    model.load_state_dict(state, assign=True, strict=True)
+    _load_state(model, state, folder)
     del state, tensors
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -225,6 +225,16 @@ def _build_model(folder: Path, device: torch.device | str, dtype: torch.dtype, p
     return model
 
 
+def _load_state(model: Transformer, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """The weights into the model built from config.json; a config that disagrees with them is named."""
+    try:
+        model.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as error:  # (torch lists every mismatched tensor: the first few say enough)
+        lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+        raise ModelFormatError(f"{folder}: config.json disagrees with the weights: {'; '.join(lines[:3])}"
+                               + (f" (and {len(lines) - 3} more)" if len(lines) > 3 else "")) from None
+
+
 def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transformer | None:
     """The model from its packed-weight cache (see draftwise.quant.packed_cache), or None."""
     path = cache_path(folder, mode)
@@ -240,7 +250,7 @@ def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transfor
                _offset_norms(_read_tensors(folder, only=set(stored)), config).items()}
     if wanted - set(tensors):
         raise ModelFormatError(f"{folder}: weights missing from the checkpoint: {sorted(wanted - set(tensors))[:5]}")
-    model.load_state_dict(tensors, assign=True, strict=True)
+    _load_state(model, tensors, folder)
     model.eval().requires_grad_(False)
     model.quantization = report
     pack_linear_layers(model)  # (the float ones left: a mixture of experts' routers)

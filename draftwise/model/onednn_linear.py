@@ -34,6 +34,12 @@ class OneDNNLinear(nn.Module):
         """For native decoder layers (`native_decoder.NativeLinear`'s fields), which call the same op."""
         return "onednn", None, (self.packed_weight,), self.bias, self.out_features
 
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [out, in] (or its rows `rows` [R]: [R, in]) read back from oneDNN's layout
+        (the quantized layers' name for it: a trimmed LM head takes rows of any layer so)."""
+        weight = self.packed_weight.to_dense()
+        return weight if rows is None else weight[rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, in]
         if rows.shape[0] == 1:

@@ -33,7 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of the prompt and output: positive logits / r, negative * r
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
-    min_tokens: int = 0  # EOS and stop_token_ids banned until this many tokens were generated
+    min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings not looked for, until this many tokens
     bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
     logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the N most likely
@@ -61,7 +61,9 @@ class SamplingParams:
             raise InvalidParameterError(f"stop must be non-empty strings, got {self.stop!r}")
         for i, stop in enumerate(self.stop):
             check_text(stop, f"stop[{i}]")
-        self.stop_token_ids = list(self.stop_token_ids)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidParameterError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])  # (None: vLLM's default)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidParameterError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -83,7 +85,7 @@ class SamplingParams:
                 raise InvalidParameterError("logit_bias must map token ids to numbers")
             bias = {}
             for token, value in self.logit_bias.items():
-                if isinstance(token, str) and token.isdigit():
+                if isinstance(token, str) and token.isascii() and token.isdigit():
                     token = int(token)  # (JSON keys are strings: OpenAI's logit_bias is {"50256": -100})
                 if not _is_int(token) or token < 0 or not _is_number(value) or not -100 <= value <= 100:
                     raise InvalidParameterError(f"logit_bias must map token ids to numbers in [-100, 100], "

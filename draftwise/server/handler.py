@@ -24,6 +24,8 @@ from draftwise.server.responses import new_id, now, response_body
 from draftwise.server.streaming import StreamContext, stream_events
 
 RETRY_AFTER_SECONDS = 5
+DISCONNECT_POLL_SECONDS = 0.1  # how often a request waiting for its samples' first tokens looks for its client
+CLIENT_CLOSED_REQUEST = 499  # (nginx's status for a client that left: nobody reads it)
 FAILED_STATUS = {"kv_cache_full": 503}  # a request that failed while running: 500 unless listed
 
 
@@ -46,7 +48,7 @@ class RequestHandler:
         if sample_count(engine_request.params) > 1:
             return await self._run_samples(request, body, engine_request, prompt)
         outputs = self.engine.generate(prompt, engine_request.params, **engine_request.options)
-        first = await self._first_output(outputs)
+        first = await self._first_output(outputs, engine_request.prompt_param)
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
         logprobs = self._logprobs_format(engine_request)
         echo = None
@@ -76,7 +78,7 @@ class RequestHandler:
             raise RequestError(400, "best_of above n cannot stream (the best samples are known only when all "
                                "have finished)", "best_of", "unsupported_parameter")
         streams = [self.engine.generate(prompt, sample, **engine_request.options) for sample in per_sample(params)]
-        firsts = [await self._first_output(stream) for stream in streams]
+        firsts = await self._first_outputs(request, streams, engine_request.prompt_param)
         echo = (prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])) \
             if engine_request.echo else None
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
@@ -113,7 +115,7 @@ class RequestHandler:
         output constraint compiled (cached), so that the engine thread never waits for a compile."""
         if request.num_prompt_chars > self.max_prompt_chars:
             raise RequestError(400, f"the prompt has {request.num_prompt_chars} characters: more tokens than "
-                               f"this model's context holds", "messages" if request.chat else "prompt",
+                               f"this model's context holds", request.prompt_param,
                                "context_length_exceeded")
         tokenizer = self.engine.llm.tokenizer
         constraint = request.params.structured_outputs
@@ -136,16 +138,16 @@ class RequestHandler:
             else:
                 ids = request.token_ids
         except DraftwiseError as error:  # a chat template that refused the conversation
-            raise RequestError(400, str(error), "messages" if request.chat else "prompt") from None
+            raise RequestError(400, str(error), request.prompt_param) from None
         return {"prompt_token_ids": ids, "prompt": request.text or ""}
 
-    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput], prompt_param: str) -> RequestOutput:
         """The request's first output; refusals (bad input, a full server, shutdown) surface here,
-        before any response starts."""
+        before any response starts. prompt_param: where the prompt was ("prompt", "messages")."""
         try:
             return await anext(outputs)
         except PromptTooLongError as error:
-            raise RequestError(400, str(error), "prompt", "context_length_exceeded") from None
+            raise RequestError(400, str(error), prompt_param, "context_length_exceeded") from None
         except EngineDraining as error:
             raise RequestError(503, str(error), kind="server_error", code="server_shutting_down",
                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -153,6 +155,31 @@ class RequestHandler:
             raise RequestError(503, str(error), kind="server_error", code="server_shutting_down") from None
         except DraftwiseError as error:
             raise RequestError(400, str(error)) from None
+
+    async def _first_outputs(self, request: Request, streams: list, prompt_param: str) -> list[RequestOutput]:
+        """Every sample's first output, the samples admitted together (one after another, a later one
+        waited for an earlier one's first token, and for a free row); if the client goes away
+        meanwhile or one sample is refused, every sample is aborted."""
+        tasks = [asyncio.ensure_future(self._first_output(stream, prompt_param)) for stream in streams]
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_SECONDS,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                failed = next((task for task in done if task.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()
+                if pending and await request.is_disconnected():
+                    self.metrics.observe_aborted("client_disconnected")
+                    raise RequestError(CLIENT_CLOSED_REQUEST, "the client went away before the answer began")
+            return [task.result() for task in tasks]
+        except BaseException:
+            for task in tasks:
+                task.cancel()  # (a sample cancelled while it waits posts its own abort)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()  # (a sample that had begun is aborted)
+            raise
 
     async def _last_output(self, request: Request, first: RequestOutput,
                            outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from draftwise.errors import InvalidParameterError
-from draftwise.sampling.params import SamplingParams
+from draftwise.sampling.params import MAX_LOGPROBS, SamplingParams
 from draftwise.sampling.structured_params import StructuredOutputsParams
 from draftwise.server import DEFAULT_MAX_REQUEST_BYTES
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -92,6 +92,11 @@ class EngineRequest:
     method: str | None = None  # the drafter it runs with (metrics), None: plain
     echo: bool = False  # a completion's text starts with its prompt
     fim_suffix: str | None = None  # a completion's fill-in-the-middle suffix (the prompt is the prefix)
+
+    @property
+    def prompt_param(self) -> str:
+        """The field that holds the prompt (named when it is too long)."""
+        return "messages" if self.chat else "prompt"
 
 
 def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
@@ -181,6 +186,7 @@ def _message(message: ChatMessage, index: int) -> dict:
     """A message as the chat template reads it: role and content, an assistant's tool calls, a tool
     result's call id."""
     where = f"messages[{index}]"
+    _refuse_unsupported(message, where)
     rendered = {"role": message.role}
     if message.role == "assistant" and message.tool_calls:
         try:
@@ -198,8 +204,9 @@ def _message(message: ChatMessage, index: int) -> dict:
     return rendered
 
 
-def _message_text(message: ChatMessage, index: int) -> str:
-    where = f"messages[{index}]"
+def _refuse_unsupported(message: ChatMessage, where: str) -> None:
+    """A message's fields the chat template has no place for, refused by name (an assistant's tool
+    calls without content too)."""
     if message.role == "function":
         raise RequestError(400, f"{where}: function messages are not supported: {LATER['functions']}",
                            f"{where}.role", "unsupported_parameter")
@@ -219,6 +226,10 @@ def _message_text(message: ChatMessage, index: int) -> str:
     if message.name is not None:
         raise RequestError(400, f"{where}.name is not supported: the chat template has no place for "
                            "participant names", f"{where}.name", "unsupported_parameter")
+
+
+def _message_text(message: ChatMessage, index: int) -> str:
+    where = f"messages[{index}]"
     if message.content is None:
         raise RequestError(400, f"{where}.content is required", f"{where}.content")
     if isinstance(message.content, str):
@@ -238,6 +249,9 @@ def _message_text(message: ChatMessage, index: int) -> str:
 def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: ServerLimits,
                      structure: StructuredOutputsParams | None, keep_special: bool = False) -> SamplingParams:
     """keep_special: the answer's text keeps special tokens (a tool call's `<tool_call>` tags)."""
+    if body.prompt_logprobs is not None and body.stream:  # (vLLM's rule: they come with the whole answer)
+        raise RequestError(400, "prompt_logprobs cannot stream: ask without stream", "prompt_logprobs",
+                           "unsupported_parameter")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > limits.max_stop_sequences:
         raise RequestError(400, f"stop holds {len(stop)} sequences; at most {limits.max_stop_sequences}", "stop")
@@ -265,6 +279,9 @@ def _logprobs(body: SamplingFields) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise RequestError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got "
+                               f"{body.top_logprobs}", "top_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
 

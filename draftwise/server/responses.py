@@ -58,8 +58,11 @@ def response_body(output: RequestOutput, request_id: str, created: int, model: s
         finish_reason = "tool_calls" if called and completion.finish_reason == "stop" else completion.finish_reason
         choices.append({"index": completion.index, "message": message, "finish_reason": finish_reason,
                         "logprobs": listed})
-    return {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
+    body = {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
             "choices": choices, "usage": usage(output, samples)}
+    if chat and output.prompt_logprobs is not None:  # (vLLM's chat answer carries them beside its choices)
+        body["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_logprobs)
+    return body
 
 
 def vllm_prompt_logprobs(entries: list) -> list[dict | None]:

@@ -158,6 +158,9 @@ class ToolCallStream:
             if len(calls) > self._calls:
                 deltas.append({"tool_calls": call_dicts(calls[self._calls:], self._calls)})
                 self._calls = len(calls)
+        if finished and self._calls == 0 and len(self.text) > self._sent:  # (a call cut off, by max_tokens say:
+            deltas.append({"content": self.text[self._sent:]})  # its text is the answer, as `answer_message` says)
+            self._sent = len(self.text)
         return deltas
 
     @property

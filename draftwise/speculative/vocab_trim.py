@@ -89,10 +89,11 @@ class TrimmedLMHead(nn.Module):
         return logits.index_copy_(-1, self.kept_ids.to(kept.device), kept)
 
 
-def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor) -> None:
-    """Replace `model.lm_head` by a `TrimmedLMHead` in the same weight format as the rest."""
+def trim_lm_head(model: nn.Module, kept_ids: torch.Tensor, vocab_size: int | None = None) -> None:
+    """Replace `model.lm_head` by a `TrimmedLMHead` in the same weight format as the rest, whose
+    logits span `vocab_size` ids (default: the model's vocabulary)."""
     model.lm_head = TrimmedLMHead(lm_rows_layer(model, kept_ids), kept_ids.to(model.norm.weight.device),
-                                  model.config.vocab_size)
+                                  vocab_size or model.config.vocab_size)
 
 
 def lm_rows_layer(model: nn.Module, kept_ids: torch.Tensor) -> nn.Module:

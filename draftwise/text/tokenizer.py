@@ -26,9 +26,17 @@ class Tokenizer:
             raise ModelFormatError(f"{folder}: no tokenizer.json")
         self.name = folder.name
         self.path = path
-        self._tokenizer = HFTokenizer.from_file(str(path))
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as error:  # (the tokenizers library raises a bare Exception on a malformed file)
+            raise ModelFormatError(f"{path}: not a readable tokenizer ({error})") from None
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ModelFormatError(f"{config_path}: unreadable ({error})") from None
+        if not isinstance(config, dict):
+            raise ModelFormatError(f"{config_path}: not a JSON object")
         self.chat_template: str | None = find_chat_template(folder, config)  # the Jinja source
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))

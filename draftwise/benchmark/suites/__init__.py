@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from draftwise.loading.registry import DEFAULT_TARGET
@@ -48,7 +48,7 @@ class BenchSettings:
     all_turns: bool = False
     peers: tuple[str, ...] = ()  # speculative: peers to run beside draftwise
     isolation: str = "process"  # `runner.ISOLATIONS`
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: 4096, or the model's positions if fewer (`run_suite`)
     levels: tuple[int, ...] | None = None  # concurrency: requests in flight; server-load: clients
     requests: int = 16  # concurrency, server-load: requests per level
     fixed_k: int = 3  # adaptive: the fixed k each drafter's adaptive config is compared with
@@ -71,9 +71,20 @@ class BenchSettings:
         return list(self.configs) if self.configs is not None else default
 
 
+def default_context(model: str) -> int:
+    """The LLM's default max_model_len for `model` (4096, or the model's positions if fewer)."""
+    from draftwise.llm.llm import DEFAULT_MAX_MODEL_LEN
+    from draftwise.loading.hf_folder import read_config
+    from draftwise.loading.resolve import resolve_model
+
+    return min(DEFAULT_MAX_MODEL_LEN, read_config(resolve_model(model, progress=False)).max_position_embeddings)
+
+
 def run_suite(name: str, settings: BenchSettings):
     """Run suite `name`; its `SuiteReport`, whose data records the settings too."""
     module = importlib.import_module(f"draftwise.benchmark.suites.{SUITES[name][0]}")
+    if settings.max_model_len is None:
+        settings = replace(settings, max_model_len=default_context(settings.model))
     report = module.run(settings)
     report.data["settings"] = {f.name: getattr(settings, f.name) for f in fields(settings)
                                if f.name != "serve_arguments"}

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.hf_folder import load_model, resolve_quantization
 from draftwise.loading.registry import DEFAULT_DRAFT
@@ -224,8 +226,11 @@ def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelP
                              load_format=target.load_format)
     if options.cross_tokenizer:  # (its whole vocabulary: a trimmed head would rank the target's ids)
         return CrossTokenizerProposer(_draft_runner(draft_model, target), Tokenizer(folder), target.tokenizer)
+    target_vocab = runner.model.config.vocab_size
     if options.draft_vocab_size is not None and options.draft_vocab_size < draft_model.config.vocab_size:
-        trim_lm_head(draft_model, kept_token_ids(target.tokenizer, options.draft_vocab_size))
+        trim_lm_head(draft_model, kept_token_ids(target.tokenizer, options.draft_vocab_size), target_vocab)
+    elif draft_model.config.vocab_size > target_vocab:  # (an embedding padded past the target's: its extra
+        trim_lm_head(draft_model, torch.arange(target_vocab), target_vocab)  # ids are no tokens of the target)
     return DraftModelProposer(_draft_runner(draft_model, target), options.draft_confidence_threshold,
                               options.draft_context_window, options.draft_branches)
 
