@@ -6,3 +6,27 @@ from __future__ import annotations
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile of sorted `values` (nearest rank below); 0.0 for none."""
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0  # (the same run gives the same interval)
+
+
+def paired_ratio_interval(pairs: list[tuple[float, float, float, float]], level: float = 0.9) -> tuple[float, float]:
+    """A bootstrap interval for (sum a / sum b) / (sum c / sum d) over items (a, b, c, d), the items
+    drawn with replacement together (a config's and its baseline's figures of the same prompt stay
+    paired, so the prompts' own spread in difficulty does not widen it): the central `level` share of
+    BOOTSTRAP_RESAMPLES resampled ratios. With one item, the ratio itself twice."""
+    import random
+
+    def ratio(items) -> float:
+        a, b, c, d = (sum(column) for column in zip(*items))
+        return (a / b) / (c / d) if b > 0 and c > 0 and d > 0 else 0.0
+
+    if len(pairs) < 2:
+        value = ratio(pairs) if pairs else 0.0
+        return value, value
+    draw = random.Random(BOOTSTRAP_SEED)
+    ratios = sorted(ratio([pairs[draw.randrange(len(pairs))] for _ in pairs]) for _ in range(BOOTSTRAP_RESAMPLES))
+    tail = (1 - level) / 2
+    return percentile(ratios, tail), percentile(ratios, 1 - tail)

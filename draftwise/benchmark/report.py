@@ -56,6 +56,11 @@ def speedup_tables(summary: dict, absent: dict[str, str] | None = None) -> str:
     lines = ["Speedup over plain decoding (tokens/s, prefill included; `summary.speedup`); outputs = plain: "
              "equal to plain decoding's (a peer's: to its own plain decoding):", "",
              table(["config", *categories, "outputs = plain"], rows), "",
+             "The speedup's 90% interval over the category's prompts (a paired bootstrap: each prompt's times "
+             "under the config and under plain decoding drawn together; `stats.paired_ratio_interval`). The "
+             "control's interval is this run's noise:", "",
+             table(["config", *categories], [[name, *(_interval(summary[name][c].get("speedup_interval"))
+                                                      for c in categories)] for name in configs]), "",
              "Tau (tokens after the first per target decoding step; plain = 1.00):", "",
              table(["config", *categories], [[name, *(number(summary[name][c]["tau"]) for c in categories)]
                                              for name in configs]), ""]
@@ -69,6 +74,10 @@ def speedup_tables(summary: dict, absent: dict[str, str] | None = None) -> str:
     lines.append(table(["config", "tokens/s", "acceptance", "acceptance by position", "time drafting",
                         "TTFT p50 s", "latency p50 / p95 s"], details))
     return "\n".join(lines)
+
+
+def _interval(bounds: tuple[float, float] | None) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
 
 
 def _equal(figures: dict) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from draftwise.benchmark.configs import PLAIN
 from draftwise.benchmark.runner import ConfigResult, RequestResult
 from draftwise.speculative.metrics import SpecMetrics
-from draftwise.stats import percentile
+from draftwise.stats import paired_ratio_interval, percentile
 
 
 def throughput(tokens: int, seconds: float) -> float:
@@ -50,6 +50,14 @@ def _of(requests: list[RequestResult], category: str) -> list[RequestResult]:
     return [r for r in requests if category in ("all", r.category)]
 
 
+def _interval(mine: list[RequestResult], base: list[RequestResult]) -> tuple[float, float] | None:
+    """The speedup's 90% interval over the prompts (paired bootstrap: `stats.paired_ratio_interval`);
+    None where the two did not run the same prompts."""
+    if len(mine) != len(base) or any(a.category != b.category for a, b in zip(mine, base)):
+        return None
+    return paired_ratio_interval([(a.tokens, a.seconds, b.tokens, b.seconds) for a, b in zip(mine, base)])
+
+
 def _figures(mine: list[RequestResult], base: list[RequestResult], reference: list[RequestResult] | None) -> dict:
     tokens, seconds = sum(r.tokens for r in mine), sum(r.seconds for r in mine)
     steps = sum(r.steps for r in mine)
@@ -63,6 +71,7 @@ def _figures(mine: list[RequestResult], base: list[RequestResult], reference: li
     decode_seconds = sum(r.seconds - r.ttft for r in mine if r.ttft == r.ttft)
     return {"requests": len(mine), "tokens": tokens, "seconds": seconds, "tokens_per_s": throughput(tokens, seconds),
             "speedup": speedup(tokens, seconds, sum(r.tokens for r in base), sum(r.seconds for r in base)),
+            "speedup_interval": _interval(mine, base),
             "tau": sum(r.tokens - 1 for r in mine) / steps if steps else None,
             "acceptance_rate": merged.acceptance_rate if merged.num_drafts else None,  # None: nothing drafted
             "first_position_acceptance": merged.acceptance_rate_per_position[0] if merged.num_drafts else None,
