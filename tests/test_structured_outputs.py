@@ -245,6 +245,50 @@ def test_speculative_constrained_output_equals_plain(name, adaptive, tiny_qwen, 
         assert_drafted(solo + batched, accepted=True)  # (forced tokens are drafted by every drafter)
 
 
+ENDING = {"one choice": StructuredOutputsParams(choice=["zz"]), "a*": StructuredOutputsParams(regex="a*"),
+          "prefixes": StructuredOutputsParams(choice=["a", "ab", "abc"])}
+
+
+@pytest.mark.parametrize("name", ["draft=target", "suffix", "layer_skip"])
+def test_under_ignore_eos_a_draft_past_the_grammars_end_is_not_committed(name, tiny_qwen, random_draft, plain,
+                                                                          drafting_pays):
+    """A drafted end token that completes the grammar, then more (the bonus token after it): plain
+    decoding stops at the end token even under ignore_eos, and so must a verified draft (before,
+    the token after it was committed too and the request failed, or ended on a second end token)."""
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+              speculative={**DRAFTERS[name](tiny_qwen, random_draft), "adaptive": False})
+    for constraint in ENDING.values():
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, structured_outputs=constraint)
+        expected = [(o.token_ids, o.finish_reason) for o in plain.generate(PROMPTS, params)]
+        assert all(reason == "stop" for _, reason in expected)
+        assert [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, params)] == expected
+        assert [(o.token_ids, o.finish_reason) for p in PROMPTS for o in llm.generate(p, params)] == expected
+
+
+@pytest.mark.parametrize("fields, kept, message", [
+    (dict(bad_words=["z"]), 0, "no token is allowed at output position 0"),  # (its one choice is banned)
+    (dict(min_tokens=5), 2, "no token is allowed at output position 2"),  # (complete, but may not end yet)
+])
+def test_a_constraint_the_request_itself_excludes_ends_in_an_error(plain, fields, kept, message):
+    """Before, the argmax over nothing (token 0, an end token here) was emitted and the request
+    reported as complete: an answer outside its constraint, or shorter than min_tokens."""
+    output = plain.generate("hi", SamplingParams(temperature=0, max_tokens=10, structured_outputs=ENDING["one choice"],
+                                                 **fields))[0]
+    assert output.finish_reason == "error" and output.error_reason == "constraint_unsatisfiable"
+    assert message in output.error and len(output.token_ids) == kept
+
+
+def test_a_grammar_that_matches_nothing_is_refused_and_a_dead_end_is_an_error(plain):
+    with pytest.raises(InvalidParameterError, match="matches no text at all"):
+        plain.generate("hi", SamplingParams(max_tokens=4, structured_outputs={"regex": r"[^\s\S]"}))
+    dead_end = StructuredOutputsParams(grammar='start: "zz" B\nB: /[^\\s\\S]/\n')  # ("zz", then nothing)
+    output = plain.generate("hi", SamplingParams(temperature=0, max_tokens=10, structured_outputs=dead_end))[0]
+    assert output.finish_reason == "error" and "cannot be completed after output position 2" in output.error
+    assert plain.tokenizer.decode(output.token_ids) == "zz"
+    with pytest.raises(InvalidParameterError, match="json is false"):
+        StructuredOutputsParams(json=False)
+
+
 def test_forced_tokens_are_drafted_and_accepted(tiny_qwen, plain, drafting_pays):
     """Prompt lookup that needs a match of 12 tokens finds none here; every draft is what the schema
     forces (its keys, the rest of an enum value), spelled as the tokenizer spells it. The grammar

@@ -99,6 +99,40 @@ class PendingMasks:
         return target_logits.masked_fill(~keep, float("-inf"))
 
 
+def dead_positions(batch: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+    """Constrained row -> the first position of its pass where every token is excluded, its grammar's
+    mask and the request's own exclusions together (bad_words, min_tokens' ban on ending, logit_bias
+    of -inf): nothing may be emitted there. logits [B, K+1, V], masked and processed."""
+    rows = [b for b, seq in enumerate(batch) if seq.grammar is not None]
+    if not rows:
+        return {}
+    none_left = (logits[rows] == float("-inf")).all(-1)  # [R, K+1]
+    first = torch.where(none_left.any(-1), none_left.int().argmax(-1), -1).tolist()  # (one host sync)
+    return {b: p for b, p in zip(rows, first) if p >= 0}
+
+
+def answer_tokens(seq: Sequence, tokens: list[int], dead: int | None) -> tuple[list[int], str | None]:
+    """What a constrained row commits of the tokens its verification emitted, and why the request
+    must then end in an error (None: it need not).
+    - Nothing after its first end token: the grammar's sentence is over (plain constrained decoding
+      stops there even under ignore_eos; a draft may run past it).
+    - Nothing from a position where no token was allowed (`dead`): the constraint and the request's
+      own exclusions leave nothing (the emitted token there is an argmax over nothing).
+    - Nothing from a token the grammar refuses: an end token where the grammar cannot end, the only
+      token llguidance allows where its sentence cannot go on."""
+    seq.grammar.sync(seq.output_ids)
+    tokens = seq.grammar.up_to_end(tokens)
+    kind = seq.grammar.kind
+    if dead is not None and dead < len(tokens):
+        return tokens[:dead], (f"no token is allowed at output position {len(seq.output_ids) + dead}: the {kind} "
+                               "constraint and the request's bad_words, min_tokens or logit_bias exclude every one")
+    valid = seq.grammar.accepted_prefix(tokens)
+    if valid < len(tokens):
+        return tokens[:valid], (f"the {kind} constraint cannot be completed after output position "
+                                f"{len(seq.output_ids) + valid}: nothing it allows can follow there")
+    return tokens, None
+
+
 def after_commit(seq: Sequence) -> None:
     """Advance the grammar over what the row committed; a grammar that is complete (its end token
     consumed, say under ignore_eos) ends the request."""

@@ -20,7 +20,8 @@ from functools import partial
 
 import torch
 
-from draftwise.engine.constrained import PendingMasks, after_commit, forced_drafts, with_forced, within_grammar
+from draftwise.engine.constrained import (PendingMasks, after_commit, answer_tokens, dead_positions, forced_drafts,
+                                         with_forced, within_grammar)
 from draftwise.engine.hidden_states import HiddenRecorder, hand_hidden, hidden_layers, kept_positions, reads_hidden
 from draftwise.engine.logprobs import token_logprobs
 from draftwise.engine.processed import apply_processors, chain_rows
@@ -278,6 +279,7 @@ class Engine:
         raw_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
         target_logits = self._on_grammar(masks.apply, raw_logits)  # (constrained rows masked)
         target_logits = apply_processors(batch, drafts, skipped, target_logits)  # (penalties, bias, ...)
+        dead = self._on_grammar(dead_positions, batch, target_logits) or {}  # constrained row -> nothing allowed
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], target_logits.device)
         output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)
@@ -297,11 +299,16 @@ class Engine:
             self._hand_states(batch, lengths, result.hidden, kept)
         for b, (seq, tokens, accepted, drafted, skip, draft) in enumerate(zip(batch, output_ids, num_accepted,
                                                                               num_draft, skipped, drafts)):
-            committed = seq.append(tokens[:accepted + 1])
+            emitted, unsatisfiable = tokens[:accepted + 1], None
+            if seq.grammar is not None:
+                emitted, unsatisfiable = self._on_grammar(answer_tokens, seq, emitted, dead.get(b))
+            committed = seq.append(emitted)
             if seq.logprobs is not None:
                 seq.logprobs += token_logprobs(raw_logits[b], seq.output_ids[len(seq.output_ids) - committed:],
                                                seq.params.logprobs)
             self._on_grammar(after_commit, seq)
+            if unsatisfiable is not None:
+                seq.fail(unsatisfiable, "constraint_unsatisfiable")
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
             self.runner.register_prefix(seq.row, self._shareable(seq))

@@ -28,7 +28,9 @@ class StructuredOutputsParams:
         if self.structural_tag is not None:
             raise InvalidParameterError("structured_outputs.structural_tag is not supported; use grammar, json, "
                                         "regex, choice or json_object (or tools on the chat endpoint)")
-        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if self.json is False:
+            raise InvalidParameterError("structured_outputs.json is false: a JSON Schema that no value satisfies")
+        given = [name for name in CONSTRAINTS if _given(getattr(self, name))]
         if len(given) != 1:
             raise InvalidParameterError("structured_outputs needs exactly one of " + ", ".join(CONSTRAINTS)
                                         + (f"; got {', '.join(given)}" if given else "; got none"))
@@ -53,7 +55,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which constraint this is: one of CONSTRAINTS."""
-        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+        return next(name for name in CONSTRAINTS if _given(getattr(self, name)))
 
     @classmethod
     def from_value(cls, value: "StructuredOutputsParams | dict | None") -> "StructuredOutputsParams | None":
@@ -69,6 +71,11 @@ class StructuredOutputsParams:
             raise InvalidParameterError(f"structured_outputs.{unknown[0]} is not supported; known fields: "
                                         + ", ".join(sorted(known)))
         return cls(**value)
+
+
+def _given(value) -> bool:
+    """A constraint field set (json_object=False is the flag off; json=0 is a value, refused as a schema)."""
+    return value is not None and value is not False
 
 
 def _schema(value: str | dict) -> dict:

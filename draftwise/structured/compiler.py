@@ -7,10 +7,13 @@ import threading
 from collections import OrderedDict
 
 import llguidance
+import numpy as np
+import torch
 
 from draftwise.errors import InvalidParameterError
 from draftwise.sampling.structured_params import StructuredOutputsParams
 from draftwise.structured.grammars import grammar_definition
+from draftwise.structured.masks import allowed_tokens
 from draftwise.structured.matcher import RequestGrammar
 from draftwise.text.tokenizer import Tokenizer
 
@@ -54,11 +57,22 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, definition, log_level=0)
         if matcher.is_error():
             raise InvalidParameterError(f"structured_outputs.{params.kind}: {_first_line([matcher.get_error()])}")
+        if not matcher.is_accepting() and not self._allows_more_than_ending(matcher):
+            raise InvalidParameterError(f"structured_outputs.{params.kind}: matches no text at all (nothing can "
+                                        "begin it, and the empty answer is not in it)")
         with self._lock:
             self._compiled[definition] = matcher
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return matcher
+
+    def _allows_more_than_ending(self, matcher: llguidance.LLMatcher) -> bool:
+        """Whether the matcher, where it stands, allows some token besides the end tokens (llguidance
+        leaves the end tokens allowed where its grammar matches nothing)."""
+        allowed = allowed_tokens(torch.from_numpy(np.frombuffer(matcher.compute_bitmask(), dtype=np.int32).copy())[None],
+                                 self.vocab_size)[0]  # [V]
+        allowed[sorted(self.tokenizer.eos_token_ids)] = False
+        return bool(allowed.any())
 
     def request_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A matcher of its own for one request, at the grammar's start."""

@@ -37,6 +37,23 @@ class RequestGrammar:
         """How many of these tokens, in order, the grammar allows from here (the matcher stays)."""
         return self.matcher.validate_tokens(token_ids) if token_ids else 0
 
+    def accepted_prefix(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in order, committing would take from here: consumed one by one on
+        a copy of the matcher, as `sync` consumes them (`valid_prefix`'s check refuses a lone end token
+        where the grammar is complete)."""
+        trial = self.matcher.deep_copy()
+        for i, token in enumerate(token_ids):
+            # (a matcher whose mask found a dead end is stopped in error, and then takes an end token)
+            if not trial.consume_token(token) or trial.is_error():
+                return i
+        return len(token_ids)
+
+    def up_to_end(self, token_ids: list[int]) -> list[int]:
+        """These tokens up to and including the first end token: the grammar's sentence ends there, so
+        nothing after it belongs to the answer (a request under ignore_eos would go on)."""
+        end = next((i + 1 for i, token in enumerate(token_ids) if token in self.eos_token_ids), len(token_ids))
+        return token_ids[:end]
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces from here (a key, punctuation, the rest of an enum value), as
         the tokenizer would write that text: any other continuation is outside the grammar."""
