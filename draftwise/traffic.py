@@ -34,15 +34,23 @@ def read_traffic(path: str | Path, tokenizer, *, sample: int, max_tokens: int, s
         raise InvalidParameterError(f"traffic file not found: {path}")
     opener = gzip.open if path.suffix == ".gz" else open
     items: list[TrafficItem] = []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InvalidParameterError(f"{path}:{number}: not JSON ({error.msg})") from None
-            items.append(_item(row, tokenizer, max_tokens, segment_field, f"{path}:{number}"))
+    try:
+        with opener(path, "rb") as handle:  # (bytes, decoded line by line: a bad line is named by its number)
+            for number, raw in enumerate(handle, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise InvalidParameterError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte "
+                                                f"{error.start})") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise InvalidParameterError(f"{path}:{number}: not JSON ({error.msg})") from None
+                items.append(_item(row, tokenizer, max_tokens, segment_field, f"{path}:{number}"))
+    except (OSError, EOFError) as error:  # (a .gz that is not gzip, or is cut short)
+        raise InvalidParameterError(f"{path}: unreadable ({error})") from None
     if not items:
         raise InvalidParameterError(f"{path}: no requests in the file")
     return _sample_by_segment(items, sample, random.Random(seed))
@@ -54,6 +62,10 @@ def _item(row: dict, tokenizer, max_tokens: int, segment_field: str | None, wher
     if isinstance(row.get("prompt"), str):
         prompt = row["prompt"]
     elif isinstance(row.get("messages"), list):
+        if not row["messages"] or any(not isinstance(m, dict) or not isinstance(m.get("role"), str)
+                                      or not isinstance(m.get("content"), str) for m in row["messages"]):
+            raise InvalidParameterError(f"{where}: \"messages\" must be a non-empty list of "
+                                        "{\"role\": ..., \"content\": ...} objects with text content")
         prompt = tokenizer.apply_chat_template(row["messages"])
     elif isinstance(row.get("turns"), list) and row["turns"]:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": str(row["turns"][0])}])

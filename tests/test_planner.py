@@ -81,9 +81,21 @@ def test_every_request_finishes_and_latency_percentiles_are_ordered():
     acceptance = {"a": Acceptance((0.9, 0.8, 0.7)), "b": Acceptance((0.2,), propose_rate=0.5)}
     for concurrency in (1, 4, 32):
         run = simulate(flat_costs(0.2, 0.1), requests, acceptance, Policy(3, adaptive=True), concurrency, seed=2)
-        assert run.requests == len(requests)
+        assert run.requests == (len(requests) if concurrency <= len(requests) else 2 * concurrency)
         assert 0 < run.ttft_p50 <= run.ttft_p95 and run.latency_p50 <= run.latency_p95
         assert run.ttft_p95 <= run.latency_p95 + 1e-9
+
+
+def test_more_clients_than_sampled_requests_are_served_the_sample_again():
+    """Six sampled requests cannot keep 24 clients busy: served once over, c = 24 repeated c = 6's
+    figures under another label. The sample is served again until each client sent two requests,
+    so a pass whose cost barely grows with its rows yields more at 24 rows than at 6."""
+    requests = [Request(10, 30 + 5 * i, "a") for i in range(6)]
+    costs = flat_costs(0.2, 0.01)
+    at_sample = simulate(costs, requests, {}, Policy(0), 6, expected=True)
+    above = simulate(costs, requests, {}, Policy(0), 24, expected=True)
+    assert at_sample.requests == 6 and above.requests == 48
+    assert above.tokens_per_second > 2 * at_sample.tokens_per_second
 
 
 def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):

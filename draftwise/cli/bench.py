@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from draftwise.cli.output_paths import output_file, output_folder
 from draftwise.cli.speculative_flags import add_option_arguments, drafter_options_from_args, speculative_arguments
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.registry import DEFAULT_TARGET
@@ -101,9 +102,12 @@ def run(args: argparse.Namespace) -> None:
         dtype=args.dtype, load_format=args.load_format, step_mode=args.step_mode,
         reference=Path(args.reference) if args.reference else None, background_load=args.background_load,
         serve_arguments=speculative_arguments)
+    output_folder(settings.output, "--output")  # (before the work: a suite is minutes of measuring)
+    if args.write_benchmarks:
+        output_file(args.write_benchmarks, "--write-benchmarks")
     report = run_suite(args.suite, settings)
-    paths = write_outputs(report, settings.output)
     print(report.markdown)
+    paths = write_outputs(report, settings.output)
     if args.write_benchmarks:
         command = "draftwise " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
         write_benchmarks_section(report, Path(args.write_benchmarks), args.section or f"suite-{args.suite}", command)

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> None:
     if args.window < 2 or args.tokens < 1:
         raise InvalidParameterError("--window must be at least 2 and --tokens positive")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              load_format=args.load_format, max_num_seqs=2, max_model_len=args.tokens + 2)
+              load_format=args.load_format, max_num_seqs=2, max_model_len=max(args.tokens + 2, 16))
     ids = llm.tokenizer.encode(args.text)
     ids = (ids * (args.tokens // max(1, len(ids)) + 2))[:args.tokens + 1]
     found = first_divergence(llm.runner, ids, args.window)

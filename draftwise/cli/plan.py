@@ -6,9 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from draftwise.cli.output_paths import output_folder
 from draftwise.cli.speculative_flags import add_option_arguments, drafter_options_from_args
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.registry import DEFAULT_TARGET
+
+
+DEFAULT_CONCURRENCY = "1,4,16,64"
 
 
 def add_parser(commands) -> None:
@@ -25,7 +29,7 @@ def add_parser(commands) -> None:
     plan.add_argument("--drafters", default=defaults, help="comma-separated registered drafters, each "
                       "with options if wanted (draft:model=smollm2-135m:cross_tokenizer=true beside draft weighs two "
                       "draft models)")
-    plan.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels to predict")
+    plan.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="comma-separated levels to predict")
     plan.add_argument("--sample", type=int, default=24, help="requests sampled from the traffic (evenly by segment)")
     plan.add_argument("--max-tokens", type=int, default=128, help="generation cap for lines without max_tokens")
     plan.add_argument("-k", "--max-k", type=int, default=6, help="largest k considered (acceptance measured at it)")
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> None:
         return run_on_device(args)
     if not args.traffic:
         raise InvalidParameterError("--traffic is required (or --from-plan with --costs)")
+    output_folder(args.output, "--output")  # (before the work: a plan is minutes of measuring)
     drafters = tuple(d for d in args.drafters.split(",") if d)
     if not drafters:
         raise InvalidParameterError("--drafters must name at least one drafter")
@@ -83,8 +88,8 @@ def run(args: argparse.Namespace) -> None:
                           levels(args.replicas, "--replicas") if args.replicas else (), args.threads_per_replica,
                           args.target_qps, args.slo_p95)
     plan = make_plan(options, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    paths = write(plan, Path(args.output))
     print(render(plan))
+    paths = write(plan, Path(args.output))
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
 
 
@@ -96,7 +101,12 @@ def run_on_device(args: argparse.Namespace) -> None:
 
     if not (args.from_plan and args.costs):
         raise InvalidParameterError("--from-plan and --costs go together")
-    prediction = predict_on_device(Path(args.from_plan), Path(args.costs))
+    ignored = _given_besides(args, {"from_plan", "costs", "concurrency", "output"})
+    if ignored:
+        raise InvalidParameterError(f"--from-plan predicts the saved plan's traffic, drafters and options again: "
+                                    f"{', '.join(ignored)} do not apply (--concurrency and --output do)")
+    concurrency = levels(args.concurrency) if args.concurrency != DEFAULT_CONCURRENCY else None
+    prediction = predict_on_device(Path(args.from_plan), Path(args.costs), concurrency)
     text = render_device_prediction(prediction)
     folder = Path(args.output)
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,3 +114,14 @@ def run_on_device(args: argparse.Namespace) -> None:
     (folder / "device-plan.md").write_text(text + "\n")
     print(text)
     print(f"\nwritten: {folder / 'device-plan.json'}, {folder / 'device-plan.md'}")
+
+
+def _given_besides(args: argparse.Namespace, allowed: set[str]) -> list[str]:
+    """The flags given a value other than their default, except `allowed` (by their names)."""
+    from draftwise.cli import build_parser
+    from draftwise.cli.speculative_flags import option_flags
+
+    defaults = vars(build_parser().parse_args(["plan"]))
+    flags = {flag.dest: flag.flag for flag in option_flags()}
+    return sorted(flags.get(dest, "--" + dest.replace("_", "-")) for dest, value in vars(args).items()
+                  if dest in defaults and dest not in allowed and dest != "run" and value != defaults[dest])

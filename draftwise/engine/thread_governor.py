@@ -160,10 +160,11 @@ def governor_for(runner, enabled: bool = True) -> ThreadGovernor | None:
     """A governor for `runner`'s passes: on the CPU, with more than one thread, where its logits
     are the same bits at one thread as at all (else None: the thread count is left alone)."""
     max_threads = torch.get_num_threads()
-    if not enabled or max_threads < 2 or runner.device.type != "cpu":
-        return None
+    probe = 10  # tokens the check below feeds one row
+    if not enabled or max_threads < 2 or runner.device.type != "cpu" or runner.max_len < probe:
+        return None  # (a context shorter than the check: the thread count is left alone)
     vocab = runner.model.config.vocab_size
-    tokens = [(7 + 131 * i) % vocab for i in range(10)]
+    tokens = [(7 + 131 * i) % vocab for i in range(probe)]
 
     def logits() -> list[torch.Tensor]:
         row = runner.allocate()

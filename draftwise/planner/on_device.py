@@ -30,7 +30,9 @@ class DevicePrediction:
     missing: list[str]  # drafters of the plan without a cost model in the folder
 
 
-def predict_on_device(plan_path: Path, costs_folder: Path) -> DevicePrediction:
+def predict_on_device(plan_path: Path, costs_folder: Path, concurrency: tuple[int, ...] | None = None) -> DevicePrediction:
+    """The saved plan predicted again with another device's cost models (at `concurrency`, else the
+    plan's levels)."""
     try:
         plan = json.loads(plan_path.read_text())
         requests = [Request(**r) for r in plan["sample_requests"]]
@@ -43,7 +45,7 @@ def predict_on_device(plan_path: Path, costs_folder: Path) -> DevicePrediction:
     if plain is None:
         raise InvalidParameterError(f"{costs_folder}: no plain.json cost model (written by `draftwise bench "
                                     f"--suite gpu`, under <output>/costs)")
-    options = PlanOptions(**{**plan["options"], "concurrency": tuple(plan["options"]["concurrency"])})
+    options = PlanOptions(**{**plan["options"], "concurrency": concurrency or tuple(plan["options"]["concurrency"])})
     costs, acceptance, windows, replays, missing = {}, {}, {}, {}, []
     for facts in plan["drafters"]:
         method = facts["method"]  # an entry with options has no cost model of its own there

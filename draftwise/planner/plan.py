@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from draftwise.planner.replay import Replay
 from draftwise.planner.simulate import Policy, Request, simulate
 from draftwise.errors import InvalidParameterError
+from draftwise.speculative.config import MAX_SPECULATIVE_TOKENS
 from draftwise.speculative.registry import all_specs, drafter_spec, option_value
 
 PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% above plain
@@ -54,6 +55,15 @@ class PlanOptions:
             raise InvalidParameterError("a target load or latency (--target-qps, --slo-p95) needs --replicas")
         if self.target_qps is not None and self.target_qps <= 0 or self.slo_p95 is not None and self.slo_p95 <= 0:
             raise InvalidParameterError("--target-qps and --slo-p95 must be positive")
+        if not 1 <= self.max_k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameterError(f"--max-k must be from 1 to {MAX_SPECULATIVE_TOKENS}, got {self.max_k}")
+        if (self.price_per_mtok is None) != (self.tokens_per_day is None):
+            raise InvalidParameterError("--price-per-mtok and --tokens-per-day go together (the cost table needs both)")
+        if any(value is not None and not value > 0 for value in (self.price_per_mtok, self.tokens_per_day)):
+            raise InvalidParameterError("--price-per-mtok and --tokens-per-day must be positive")
+        if self.validate and not any(c <= self.validate_max_concurrency for c in self.concurrency):
+            raise InvalidParameterError(f"--validate measures the levels up to --validate-max-concurrency "
+                                        f"{self.validate_max_concurrency}, and none of {list(self.concurrency)} is")
 
 
 @dataclass(slots=True)
@@ -134,17 +144,22 @@ def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, wind
 
 
 def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...]) -> tuple[dict[int, dict], int | None]:
+    """The best config per level, and the level from which on speculation pays at none (None: it pays
+    at the highest; a level where it does not pay below one where it does is no switch-off point)."""
     best: dict[int, dict] = {}
-    switch_off = None
     for i, c in enumerate(levels):
         plain = predictions["plain"][i]["tokens_per_second"]
         name, point = max(((n, p[i]) for n, p in predictions.items()), key=lambda item: item[1]["tokens_per_second"])
         speedup = point["tokens_per_second"] / plain
         if speedup < PAYS_MARGIN:
             name, point, speedup = "plain", predictions["plain"][i], 1.0
-            switch_off = c if switch_off is None else switch_off
         best[c] = {"config": name, "speedup": speedup, "tokens_per_second": point["tokens_per_second"],
                    "latency_p95": point["latency_p95"], "plain_tokens_per_second": plain}
+    switch_off = None
+    for c in sorted(levels, reverse=True):  # (the lowest level with plain there and at every level above)
+        if best[c]["config"] != "plain":
+            break
+        switch_off = c
     return best, switch_off
 
 

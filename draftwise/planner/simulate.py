@@ -91,6 +91,7 @@ class Acceptance:
         return accepted
 
 
+SAMPLE_ROUNDS_PER_CLIENT = 2  # requests each client sends where the clients outnumber the sample
 NO_DRAFTS = Acceptance(conditional=(), propose_rate=0.0)
 
 
@@ -136,6 +137,7 @@ class _Running:
     backlog: int  # tokens the drafter has not seen yet (1: only the newest, as after a draft)
     index: int = 0  # of the request in the simulated list
     params: _Params = field(default_factory=_Params)
+    source: int = 0  # of the request in the sample (its replay; a sample served again repeats it)
 
     @property
     def request_id(self) -> str:
@@ -159,36 +161,40 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
              catch_up_window: int | None = None, seed: int = 0, replay: Replay | None = None,
              prefill_seconds: Callable[[int], float] | None = None) -> Prediction:
     """Serve `requests` (each once, in order) to `concurrency` closed-loop clients; predicted figures.
-    With `replay`, each request's drafts are accepted as they were where it was measured
-    (`replay.py`); requests it does not cover propose nothing."""
+    More clients than requests are served the sample again, in order, until every client has sent
+    SAMPLE_ROUNDS_PER_CLIENT requests (the sample once over could keep only as many clients busy as
+    it holds, and a level above that would repeat the figures of the sample's size). With `replay`,
+    each request's drafts are accepted as they were where it was measured (`replay.py`); requests it
+    does not cover propose nothing."""
     rng = random.Random(seed)
     controller = AdaptiveLength(costs, policy.k) if policy.adaptive and policy.k else None
     slots = max_num_seqs or concurrency
-    pending = list(requests)
-    waiting: list[tuple[Request, float, int]] = []  # (request, arrival, client)
+    count = len(requests) if concurrency <= len(requests) else SAMPLE_ROUNDS_PER_CLIENT * concurrency
+    pending = [(requests[i % len(requests)], i % len(requests)) for i in range(count)] if requests else []
+    waiting: list[tuple[Request, int, float, int]] = []  # (request, its place in the sample, arrival, client)
     running: list[_Running] = []
     now, generated = 0.0, 0.0
     latencies, ttfts, drafted, rows_stepped = [], [], 0, 0
     for client in range(min(concurrency, len(pending))):
-        waiting.append((pending.pop(0), 0.0, client))
+        waiting.append((*pending.pop(0), 0.0, client))
 
     def finish(row: _Running) -> None:
         latencies.append(now - row.arrival)
         if controller is not None:
             controller.release(row)
         if pending:
-            waiting.append((pending.pop(0), now, row.client))
+            waiting.append((*pending.pop(0), now, row.client))
 
     last_was_prefill = False
     while waiting or running:
         if waiting and len(running) < slots and (not running or not last_was_prefill):
             last_was_prefill = True
-            request, arrival, client = waiting.pop(0)
+            request, source, arrival, client = waiting.pop(0)
             now += (prefill_seconds or costs.target_seconds)(max(1, request.prompt_tokens))
             ttfts.append(now - arrival)
             generated += 1
             row = _Running(request, arrival, request.output_tokens - 1, client, request.prompt_tokens + 1,
-                           index=len(ttfts) - 1)
+                           index=len(ttfts) - 1, source=source)
             if row.remaining <= 0:
                 finish(row)
             else:
@@ -206,7 +212,7 @@ def simulate(costs: CostModel, requests: list[Request], acceptance: dict[str, Ac
             drafts = [k if rate.proposes(k, rng) else 0 for rate, k in zip(rates, ks)]  # no draft: a plain row
             replayed = [None] * len(running)
         else:
-            replayed = [replay.accepted(row.index, len(row.output_ids), k) if k else None
+            replayed = [replay.accepted(row.source, len(row.output_ids), k) if k else None
                         for row, k in zip(running, ks)]
             drafts = [k if accepted is not None else 0 for k, accepted in zip(ks, replayed)]
         now += costs.batch_step_seconds(drafts)

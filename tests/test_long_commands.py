@@ -1,0 +1,90 @@
+"""The long commands (plan, bench, divergence) refuse what they cannot honour before the work begins,
+name bad input files, and never ignore a flag in silence."""
+
+import json
+
+import pytest
+
+from draftwise.cli import main
+from draftwise.errors import InvalidParameterError
+from draftwise.planner.plan import PlanOptions, recommend
+from draftwise.traffic import read_traffic
+
+
+class Characters:
+    """A tokenizer stand-in for traffic files (its chat template joins the contents)."""
+
+    def apply_chat_template(self, messages):
+        return " | ".join(m["content"] for m in messages)
+
+
+def traffic(tmp_path, content: bytes, name: str = "traffic.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("content, name, message", [
+    (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "t.jsonl", ":2: not UTF-8 text"),
+    (b'not gzip at all', "t.jsonl.gz", "unreadable"),
+    (b'{"messages": ["hi"]}\n', "t.jsonl", ":1: \"messages\" must be a non-empty list"),
+    (b'{"messages": [{"role": "user"}]}\n', "t.jsonl", ":1: \"messages\" must be"),
+])
+def test_a_bad_traffic_file_is_named_with_its_line(tmp_path, content, name, message):
+    with pytest.raises(InvalidParameterError, match=message):
+        read_traffic(traffic(tmp_path, content, name), Characters(), sample=4, max_tokens=8)
+
+
+def test_a_good_traffic_file_still_reads(tmp_path):
+    rows = [{"prompt": "a"}, {"messages": [{"role": "user", "content": "b"}], "segment": "chat"}]
+    path = traffic(tmp_path, "\n".join(json.dumps(r) for r in rows).encode())
+    assert sorted(item.prompt for item in read_traffic(path, Characters(), sample=4, max_tokens=8)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(price_per_mtok=3.0), "go together"),
+    (dict(tokens_per_day=1e6), "go together"),
+    (dict(price_per_mtok=-1.0, tokens_per_day=1e6), "must be positive"),
+    (dict(max_k=65), "--max-k must be from 1 to 64"),
+    (dict(validate=True, concurrency=(8, 16)), "none of \\[8, 16\\] is"),
+])
+def test_plan_options_that_would_be_ignored_or_fail_late_are_refused(fields, message):
+    with pytest.raises(InvalidParameterError, match=message):
+        PlanOptions("traffic.jsonl", drafters=("ngram",), **fields)
+
+
+def point(tokens_per_second: float) -> dict:
+    return {"tokens_per_second": tokens_per_second, "latency_p95": 1.0}
+
+
+def test_speculation_is_switched_off_only_where_it_pays_at_no_higher_level():
+    predictions = {"plain": [point(100), point(300), point(500)], "ngram": [point(101), point(330), point(480)]}
+    best, switch_off = recommend(predictions, (1, 4, 16))
+    assert [best[c]["config"] for c in (1, 4, 16)] == ["plain", "ngram", "plain"]
+    assert switch_off == 16  # (from 1 on, said before, while it pays at 4)
+    assert recommend({"plain": [point(100)], "ngram": [point(150)]}, (1,))[1] is None
+
+
+def test_an_unusable_output_is_refused_before_any_model_loads(tmp_path, capsys):
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    assert main(["plan", "--traffic", str(tmp_path / "none.jsonl"), "--output", str(taken)]) == 2
+    assert "--output" in capsys.readouterr().err
+    assert main(["bench", "--model", "no-such-model", "--output", str(taken)]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    assert main(["bench", "--model", "no-such-model", "--output", str(tmp_path / "out"),
+                 "--write-benchmarks", str(tmp_path)]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
+
+
+def test_from_plan_refuses_the_flags_it_would_ignore(tmp_path, capsys):
+    assert main(["plan", "--from-plan", str(tmp_path / "plan.json"), "--costs", str(tmp_path), "--max-k", "2",
+                 "--sample", "3"]) == 2
+    error = capsys.readouterr().err
+    assert "--max-k, --sample do not apply" in error
+
+
+def test_divergence_takes_a_few_tokens(tiny_qwen, capsys):
+    assert main(["divergence", "--model", str(tiny_qwen), "--quantization", "none", "--tokens", "3",
+                 "--window", "2"]) == 0
+    assert "bit-identical: 3 tokens" in capsys.readouterr().out
