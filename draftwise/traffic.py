@@ -71,6 +71,8 @@ def _item(row: dict, tokenizer, max_tokens: int, segment_field: str | None, wher
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": str(row["turns"][0])}])
     else:
         raise InvalidParameterError(f"{where}: needs a \"prompt\" string, \"messages\" or \"turns\"")
+    if not prompt.strip():
+        raise InvalidParameterError(f"{where}: the prompt is empty")
     fields = [segment_field] if segment_field else ["segment", "category"]
     segment = next((str(row[f]) for f in fields if row.get(f) is not None), "")
     limit = row.get("max_tokens", max_tokens)

@@ -29,6 +29,7 @@ def traffic(tmp_path, content: bytes, name: str = "traffic.jsonl"):
     (b'not gzip at all', "t.jsonl.gz", "unreadable"),
     (b'{"messages": ["hi"]}\n', "t.jsonl", ":1: \"messages\" must be a non-empty list"),
     (b'{"messages": [{"role": "user"}]}\n', "t.jsonl", ":1: \"messages\" must be"),
+    (b'{"prompt": "a"}\n{"prompt": " "}\n', "t.jsonl", ":2: the prompt is empty"),
 ])
 def test_a_bad_traffic_file_is_named_with_its_line(tmp_path, content, name, message):
     with pytest.raises(InvalidParameterError, match=message):
@@ -47,6 +48,7 @@ def test_a_good_traffic_file_still_reads(tmp_path):
     (dict(price_per_mtok=-1.0, tokens_per_day=1e6), "must be positive"),
     (dict(max_k=65), "--max-k must be from 1 to 64"),
     (dict(validate=True, concurrency=(8, 16)), "none of \\[8, 16\\] is"),
+    (dict(threads_per_replica=2), "--threads-per-replica needs --replicas"),
 ])
 def test_plan_options_that_would_be_ignored_or_fail_late_are_refused(fields, message):
     with pytest.raises(InvalidParameterError, match=message):

@@ -49,6 +49,9 @@ class PlanOptions:
             raise InvalidParameterError(f"drafters are listed twice in {list(self.drafters)}")
         for entry in self.drafters:
             drafter_spec(drafter_method(entry)).parse_options(entry_options(entry))  # bad ones fail before any run
+        if self.threads_per_replica != 1 and not self.replicas:
+            raise InvalidParameterError("--threads-per-replica needs --replicas (the plan's runs use all threads "
+                                        "otherwise)")
         if self.replicas and (min(self.replicas) < 1 or self.threads_per_replica < 1):
             raise InvalidParameterError("replica counts and threads per replica must be at least 1")
         if (self.target_qps is not None or self.slo_p95 is not None) and not self.replicas:
