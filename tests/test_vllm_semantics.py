@@ -24,7 +24,8 @@ def test_stop_strings_are_looked_for_only_from_min_tokens_on(tiny_llm):
     full = tiny_llm.generate(PROMPT, greedy())[0]
     tokens = full.token_ids
     early = tiny_llm.tokenizer.decode(tokens[:3])
-    stop = next(early[i:i + 2] for i in range(len(early) - 1) if early[i:i + 2].strip() and "\ufffd" not in early[i:i + 2])
+    stop = next(early[i:i + 2] for i in range(len(early) - 1)
+                if early[i:i + 2].strip() and "\ufffd" not in early[i:i + 2])
     assert tiny_llm.generate(PROMPT, greedy(stop=[stop]))[0].finish_reason == "stop"
     later = tiny_llm.generate(PROMPT, greedy(stop=[stop], min_tokens=10))[0]
     assert len(later.token_ids) >= 10  # (stopped at 3 or fewer tokens before)

@@ -32,7 +32,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--all-turns", action="store_true", help="Spec-Bench: every turn, not just the first")
-    bench.add_argument("--max-model-len", type=int, default=None, help="context length (default: 4096, or the model's if fewer)")
+    bench.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: 4096, or the model's if fewer)")
     bench.add_argument("--peers", choices=["hf", "llama.cpp"], default=None,
                        help="speculative: hf, Hugging Face transformers on the same GGUF weights; gpu: hf, its "
                             "eager forward beside the step; kernels: llama.cpp, its llama-bench and "

@@ -102,8 +102,9 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_folder)
         positions = read_config(self.model_folder).max_position_embeddings
         if max_model_len is not None and max_model_len > positions:  # (vLLM's rule: said, not shortened)
-            raise InvalidParameterError(f"max_model_len {max_model_len} is more than the {positions} positions this model "
-                                        f"was made for (max_position_embeddings in {self.model_folder / 'config.json'})")
+            raise InvalidParameterError(f"max_model_len {max_model_len} is more than the {positions} positions this "
+                                        f"model was made for (max_position_embeddings in "
+                                        f"{self.model_folder / 'config.json'})")
         config = SpeculativeConfig.from_value(speculative)
         self._check_drafter(config, progress)  # before any weights load: fail fast
         kernel_builds.wait()

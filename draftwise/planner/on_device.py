@@ -30,7 +30,8 @@ class DevicePrediction:
     missing: list[str]  # drafters of the plan without a cost model in the folder
 
 
-def predict_on_device(plan_path: Path, costs_folder: Path, concurrency: tuple[int, ...] | None = None) -> DevicePrediction:
+def predict_on_device(plan_path: Path, costs_folder: Path,
+                      concurrency: tuple[int, ...] | None = None) -> DevicePrediction:
     """The saved plan predicted again with another device's cost models (at `concurrency`, else the
     plan's levels)."""
     try:

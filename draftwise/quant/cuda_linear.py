@@ -58,9 +58,11 @@ class CudaInt4Linear(nn.Module):
         quants = quants.to(device=device, dtype=torch.uint8)
         pairs = (quants[:, ::2] << 4) | quants[:, 1::2]  # [N, K/2]: the even input in the high nibble
         self.packed_weight = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(self.in_features))
-        scales, minimums = scales.to(device=device, dtype=torch.float32), minimums.to(device=device, dtype=torch.float32)
+        scales = scales.to(device=device, dtype=torch.float32)  # [N, K/32]
+        minimums = minimums.to(device=device, dtype=torch.float32)
         zeros = 8 * scales - minimums  # (q - 8) * scale + zero == scale * q - minimum
-        self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        pairs_of = torch.stack([scales.t(), zeros.t()], dim=-1)  # [K/32, N, 2]
+        self.scales_and_zeros = pairs_of.to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from draftwise.server.streaming import StreamContext, stream_events
 RETRY_AFTER_SECONDS = 5
 DISCONNECT_POLL_SECONDS = 0.1  # how often a request waiting for its samples' first tokens looks for its client
 CLIENT_CLOSED_REQUEST = 499  # (nginx's status for a client that left: nobody reads it)
-FAILED_STATUS = {"kv_cache_full": 503, "constraint_unsatisfiable": 400}  # a request that failed while running: 500 unless listed
+# a request that failed while running: 500 unless listed (a constraint its own fields exclude: its fault)
+FAILED_STATUS = {"kv_cache_full": 503, "constraint_unsatisfiable": 400}
 
 
 @dataclass(slots=True)

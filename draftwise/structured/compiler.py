@@ -69,8 +69,8 @@ class GrammarCompiler:
     def _allows_more_than_ending(self, matcher: llguidance.LLMatcher) -> bool:
         """Whether the matcher, where it stands, allows some token besides the end tokens (llguidance
         leaves the end tokens allowed where its grammar matches nothing)."""
-        allowed = allowed_tokens(torch.from_numpy(np.frombuffer(matcher.compute_bitmask(), dtype=np.int32).copy())[None],
-                                 self.vocab_size)[0]  # [V]
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32).copy()  # [W]
+        allowed = allowed_tokens(torch.from_numpy(words)[None], self.vocab_size)[0]  # [V]
         allowed[sorted(self.tokenizer.eos_token_ids)] = False
         return bool(allowed.any())
 
