@@ -53,7 +53,7 @@ class Engine:
         self.threads = threads  # the CPU thread count per step (None: left as it is)
         self.drafters: dict[str, Drafter] = {}
         self.default_method = default_method  # what requests that do not say use
-        self.scheduler = Scheduler(runner.blocks, max_num_seqs, self._step_tokens(), self._release_state)
+        self.scheduler = Scheduler(runner.blocks, max_num_seqs, self._step_tokens, self._release_state)
         self.last_num_tokens: dict[str, float] = {}  # method -> mean k over its rows in the last step
         self.counters = StepCounters()
         self.timing_listeners: list = []  # callables taking each step's `StepTiming`
@@ -64,11 +64,11 @@ class Engine:
 
     def add_drafter(self, method: str, drafter: Drafter) -> None:
         self.drafters[method] = drafter
-        self.scheduler.step_tokens = self._step_tokens()
 
-    def _step_tokens(self) -> int:
-        """The most tokens a decode step appends to a row: the newest token and a draft."""
-        return 1 + max((d.max_tokens for d in self.drafters.values()), default=0)
+    def _step_tokens(self, seq: Sequence) -> int:
+        """The most tokens a decode step appends to the request's row: the newest token and its
+        drafter's largest draft (a tree's nodes; `_propose` cuts a draft there)."""
+        return 1 + (self.drafters[seq.method].max_nodes if seq.method in self.drafters else 0)
 
     def add(self, seq: Sequence) -> None:
         if seq.method is not None and seq.method not in self.drafters:
@@ -221,6 +221,10 @@ class Engine:
                 del forced[b]
         for b in chain_rows(batch):
             drafts[b] = drafts[b].first_children()
+        for b, seq in enumerate(batch):  # (a tree's nodes within the blocks reserved and the context: its
+            limit = max(0, min(self._step_tokens(seq) - 1, seq.num_tokens_left))  # row holds its tokens + nodes)
+            if len(drafts[b].token_ids) > limit:
+                drafts[b] = drafts[b].prefix(limit)
         skipped = [skip and bool(draft.token_ids) for skip, draft in zip(skipped, drafts)]
         for seq, draft, skip in zip(batch, drafts, skipped):
             if seq.method is not None and (skip or not draft.token_ids):

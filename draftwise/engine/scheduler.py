@@ -7,11 +7,14 @@ requests wait, prefills and decode steps alternate, so that running requests kee
 new ones are admitted.
 
 Memory: a request is admitted only if the free KV blocks hold its context plus a step's growth
-(`step_tokens`: the most tokens a decode step appends, k + 1), with one block of headroom per
-running request. Before a decode step every running request must be able to grow by
-`step_tokens`; if the blocks run short the request admitted last is preempted: its blocks are
-freed and it goes back to the front of the queue with everything it generated, and on readmission
-its prefill recomputes the cache from its tokens, so its output is unchanged.
+(`step_tokens(seq)`: the most tokens a decode step appends to its row, 1 + its drafter's largest
+draft, a tree's nodes counted; never more than the request may still emit, which drafts never
+exceed), with one block of headroom per running request. Before a decode step every running request
+must be able to grow so; if the blocks run short the request admitted last is preempted: its blocks
+are freed and it goes back to the front of the queue with everything it generated, and on
+readmission its prefill recomputes the cache from its tokens, so its output is unchanged. A request
+is refused only if its prompt and max_tokens could not fit the whole cache: its row never holds more
+(and a plain row's growth does not depend on the drafters other requests use).
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, step_tokens: int,
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, step_tokens: Callable[[Sequence], int],
                  release: Callable[[Sequence], None]) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
-        self.step_tokens = step_tokens  # the most tokens a decode step appends to a row
+        self.step_tokens = step_tokens  # the most tokens a decode step appends to a request's row
         self.release = release  # frees a request's blocks (and its drafter's state)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -48,8 +51,8 @@ class Scheduler:
 
     def check(self, seq: Sequence) -> None:
         """Refuse a request that could not run even alone in the whole cache (so that a request
-        running alone always finishes)."""
-        worst_case = len(seq.prompt_token_ids) + seq.num_tokens_left + self.step_tokens
+        running alone always finishes): its row never holds more than its prompt and what it may emit."""
+        worst_case = len(seq.token_ids) + seq.num_tokens_left
         needed = self.blocks.blocks_for(worst_case)
         if needed > self.blocks.num_blocks:
             raise PromptTooLongError(
@@ -84,12 +87,16 @@ class Scheduler:
     def _can_admit(self, seq: Sequence) -> bool:
         if len(self.running) >= self.max_num_seqs:
             return False
-        needed = self.blocks.blocks_for(len(seq.token_ids) + self.step_tokens)
+        needed = self.blocks.blocks_for(self._after_step(seq))
         return needed + len(self.running) <= self.blocks.num_free_blocks
+
+    def _after_step(self, seq: Sequence) -> int:
+        """The most tokens the request's row holds during its next decode step."""
+        return len(seq.token_ids) + min(self.step_tokens(seq), seq.num_tokens_left)
 
     def _growth_blocks(self, seq: Sequence) -> int:
         held = len(self.blocks.tables[seq.row])
-        return max(0, self.blocks.blocks_for(len(seq.token_ids) + self.step_tokens) - held)
+        return max(0, self.blocks.blocks_for(self._after_step(seq)) - held)
 
     def _make_room(self) -> None:
         """Preempt the latest admitted requests until every running one can take a step."""

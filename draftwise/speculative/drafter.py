@@ -26,6 +26,10 @@ class Drafter:
     draft_probability: float = 1.0  # randomized drafting (sampled requests; see speculative.verify)
     costs: CostModel | None = None  # the cost model the adaptive policy plans with (None: fixed k)
     forced_drafts: bool = True  # rows with a grammar draft the tokens it forces (structured outputs)
+    max_nodes: int = 0  # the most tokens a row's draft holds, a tree's nodes counted (0: max_tokens)
+
+    def __post_init__(self) -> None:
+        self.max_nodes = max(self.max_nodes, self.max_tokens)
 
 
 def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
@@ -33,10 +37,13 @@ def build_drafter(config: SpeculativeConfig, target: Target) -> Drafter:
     proposer = config.spec.build(target, config.options)
     # (a drafter that can propose only so many tokens, as a head with K heads, caps k there)
     k = min(config.num_speculative_tokens, getattr(proposer, "longest_draft", None) or config.num_speculative_tokens)
+    nodes = proposer.tree_nodes(k) if hasattr(proposer, "tree_nodes") else k
     if not config.adaptive:
-        return Drafter(proposer, FixedLength(k), k, config.draft_probability, forced_drafts=config.forced_drafts)
+        return Drafter(proposer, FixedLength(k), k, config.draft_probability, forced_drafts=config.forced_drafts,
+                       max_nodes=nodes)
     costs = live_costs(target, proposer, config)
-    return Drafter(proposer, AdaptiveLength(costs, k), k, config.draft_probability, costs, config.forced_drafts)
+    return Drafter(proposer, AdaptiveLength(costs, k), k, config.draft_probability, costs, config.forced_drafts,
+                   nodes)
 
 
 def live_costs(target: Target, proposer: Proposer, config: SpeculativeConfig) -> LiveCostModel:

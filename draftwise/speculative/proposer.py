@@ -64,6 +64,8 @@ class Proposer(Protocol):
     # no cache at all). The planner's simulator charges catch-ups with it.
     catch_up_window: int | None
     # (Optional) the longest draft it can propose (a head with K heads: K); k is capped there.
+    # (Optional) `tree_nodes(k)`: the most nodes a draft of depth k holds, where its drafts are trees
+    # (k: a chain's); the scheduler reserves a row's KV blocks for them and the engine cuts a draft there.
     # (Optional) `forget_history()`: drop what earlier requests left it (a cache of their text), as
     # a fresh drafter would be; `LLM.forget_drafter_history` calls it (benchmarks measuring new traffic).
     # (Optional) `reset_prefix_cache()`: a drafter with a prefix cache of its own forgets it, as the

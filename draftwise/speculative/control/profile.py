@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from draftwise.errors import InvalidParameterError
 from draftwise.model import native_decoder, native_layer_ops
 from draftwise.paths import cache_root
 from draftwise.quant.activation_choice import ACTIVATIONS_ENV
@@ -37,6 +38,7 @@ MAX_SPREAD = 1.25  # a profile whose repeats sit further apart than this was mea
 MONOTONE_SLACK = 0.85  # a pass over more tokens may measure this much below one over fewer (noise), no lower
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)  # 16+: batches of rows
 CONTEXT_TOKENS = 256
+MIN_CONTEXT_TOKENS = 2  # the shortest context the passes are timed after
 REPEATS = 5
 _SAMPLE_TEXT = (
     "def moving_average(values, window):\n"
@@ -118,7 +120,13 @@ def measure(runner: ModelRunner, proposer: Proposer | None, tokenizer: Tokenizer
             max_draft_tokens: int) -> CostModel:
     """Time the target over n new tokens and the drafter over k proposed tokens (needs a free row)."""
     capacity = min(runner.max_len, runner.blocks.num_blocks * runner.blocks.block_size)
-    prompt_ids = _context_ids(tokenizer, min(CONTEXT_TOKENS, capacity - max(TARGET_SIZES) - max_draft_tokens - 2))
+    room = capacity - max(TARGET_SIZES) - max_draft_tokens - 2  # (the context the passes are timed after)
+    if room < MIN_CONTEXT_TOKENS:
+        raise InvalidParameterError(
+            f"measuring this machine's speculation costs needs a context of {capacity - room + MIN_CONTEXT_TOKENS} "
+            f"tokens, and the KV cache (or max_model_len) holds {capacity}: give the LLM more (kv_cache_memory_bytes, "
+            f"max_model_len), or speculate with a fixed k (adaptive: false), which measures nothing")
+    prompt_ids = _context_ids(tokenizer, min(CONTEXT_TOKENS, room))
     seq = ProfilingSequence(prompt_ids, max(TARGET_SIZES) + max_draft_tokens + 1)
     seq.row = runner.allocate()
     try:

@@ -87,6 +87,10 @@ class DraftModelProposer:
             held = self._offsets[seq.request_id] + self.runner.length(row)
         return len(seq.token_ids) - held
 
+    def tree_nodes(self, k: int) -> int:
+        """A draft of depth k: its chain and branches - 1 leaves beside each of its tokens."""
+        return k * self.branches
+
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         rows = [self._row(seq) for seq in seqs]
         if self.runner.prompt_kernels:

@@ -42,6 +42,10 @@ class MedusaProposer(CachelessProposer):
         for seq, states in zip(seqs, hidden[self.hidden_layers[0]]):  # [n, H] per row
             self._hidden[seq.request_id] = states[-1]  # the newest token's producer
 
+    def tree_nodes(self, k: int) -> int:
+        """A draft of k heads: the chain of their best, and branches - 1 leaves beside each."""
+        return k * self.branches
+
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         wanted = [b for b, k in enumerate(num_tokens) if k > 0]
         drafts = [Draft([]) for _ in seqs]

@@ -40,6 +40,11 @@ class SuffixThenModelProposer:
         found = self.suffix.continuation(seq, self.suffix.options.suffix_max_depth)
         return expected_accepted(found) >= self.min_expected
 
+    def tree_nodes(self, k: int) -> int:
+        """Its suffix trees hold at most k nodes; the draft model's drafts what that model's hold."""
+        model_nodes = getattr(self.model, "tree_nodes", None)
+        return max(k, model_nodes(k) if model_nodes else k)
+
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         by_model = []  # rows the draft model serves

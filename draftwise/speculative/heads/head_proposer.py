@@ -90,6 +90,10 @@ class HeadProposer:
         return 0 if state is None else sum(len(p) for p in state.pending)
 
     @torch.inference_mode()
+    def tree_nodes(self, k: int) -> int:
+        """A chain of k, or (branches > 1) a tree of at most TREE_NODES nodes."""
+        return max(k, TREE_NODES) if self.branches > 1 else k
+
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         """Each row's catch-up on its own (lengths differ); then the chains' drafting steps, all rows at
         once, and each tree row's expansion."""
