@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from draftwise.cli.output_paths import output_file, output_folder
+from draftwise.output_paths import output_file, output_folder
 from draftwise.cli.speculative_flags import add_option_arguments, drafter_options_from_args, speculative_arguments
 from draftwise.errors import InvalidParameterError
 from draftwise.loading.registry import DEFAULT_TARGET

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from draftwise.errors import InvalidParameterError
 from draftwise.llm import LLM
+from draftwise.loading.registry import KNOWN_MODELS
+from draftwise.output_paths import output_folder
 from draftwise.speculative.heads.store import default_folder
 from draftwise.speculative.heads.training import TrainResult, TrainSettings
 from draftwise.speculative.registry import all_specs
@@ -29,17 +31,26 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
         raise InvalidParameterError("sample, max_tokens, kept_tokens, num_heads, epochs and batch_size must be positive")
     if settings.head_width is not None and settings.head_width < 1:
         raise InvalidParameterError(f"head_width must be positive, got {settings.head_width}")
-    folder = Path(out) if out is not None else default_folder(kind, target)
+    folder = output_folder(Path(out) if out is not None else default_folder(kind, target), "--out")  # (before the work)
     llm = LLM(target, max_num_seqs=CHUNK, progress=progress, **model_keywords)  # a chunk of prompts answered as a batch
     items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)
     if not items:
         raise InvalidParameterError(f"{data}: no prompts to train on")
     spec = specs[kind]
     aux_layers = spec.train_layers(llm.model.config) if spec.train_layers is not None else ()
-    examples, cached = distill_cached(llm, {"target": target, **model_keywords}, [item.prompt for item in items],
-                                      max_tokens, progress, aux_layers)
+    identity = target if target in KNOWN_MODELS else weights_identity(llm.model_folder)  # (known: pinned by sha256)
+    examples, cached = distill_cached(llm, {"target": identity, **model_keywords},
+                                      [item.prompt for item in items], max_tokens, progress, aux_layers)
     if progress:
         print(f"target answers: {cached}")
     notes = {"data": str(data), "prompts": len(examples), "max_tokens": max_tokens}
     result = spec.train(llm.model, llm.tokenizer, target, examples, settings, folder, notes, progress)
     return folder, result
+
+
+def weights_identity(folder: Path) -> list:
+    """The model folder the target was loaded from (absolute) and its config's and weights' sizes and
+    times: answers distilled from other weights (another model of the same name, a folder whose
+    weights were replaced, "." run elsewhere) are never taken for this one's."""
+    files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
+    return [str(folder.resolve()), *[(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]]

@@ -138,7 +138,7 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
     shape = _shape(folder, layer_config, bool(config.get("norm_before_residual", False)))
     target_hidden = config.get("target_hidden_size") or shape.hidden_size
     if shape.hidden_size != hidden_size or target_hidden != hidden_size \
-            or int(layer_config.get("vocab_size", vocab_size)) != vocab_size:
+            or _count(folder, layer_config.get("vocab_size", vocab_size), "vocab_size") != vocab_size:
         raise InvalidParameterError(
             f"{folder}: made for hidden size {target_hidden} and {layer_config.get('vocab_size')} tokens; "
             f"this target has {hidden_size} and {vocab_size}")
@@ -199,3 +199,10 @@ def _shape(folder: Path, config: dict, norm_before_residual: bool) -> Eagle3Shap
                            norm_before_residual=norm_before_residual)
     except (KeyError, TypeError, ValueError) as error:
         raise ModelFormatError(f"{folder}/{CONFIG}: incomplete layer config ({error})") from None
+
+
+def _count(folder: Path, value, name: str) -> int:
+    """A positive integer field of the config, or a ModelFormatError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelFormatError(f"{folder}: {name} must be a positive integer, got {value!r}")
+    return value

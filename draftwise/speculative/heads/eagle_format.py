@@ -82,7 +82,7 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int, default_kept: Ca
     if "speculators_model_type" in config:
         layer_config, tensors = _from_speculators(folder, config, tensors)
     else:
-        saved_as = config.get("draftwise", {}).get("kind")
+        saved_as = _ours(folder, config).get("kind")
         if kind is not None and saved_as is not None and saved_as != kind:
             raise InvalidParameterError(f"{folder}: a {saved_as!r} head, not a {kind!r} one")
         if config.get("num_hidden_layers", 1) != 1 or "fc.weight" not in tensors:
@@ -93,7 +93,7 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int, default_kept: Ca
         raise InvalidParameterError(
             f"{folder}: made for hidden size {shape.hidden_size} and {layer_config.get('vocab_size')} tokens; "
             f"this target has {hidden_size} and {vocab_size}")
-    kept = config.get("draftwise", {}).get("kept_ids")
+    kept = _ours(folder, config).get("kept_ids")
     kept = default_kept() if kept is None else torch.tensor(kept, dtype=torch.long)
     if kept.numel() == 0 or int(kept.max()) >= vocab_size or int(kept.min()) < 0:
         raise ModelFormatError(f"{folder}: kept token ids outside the vocabulary")
@@ -155,3 +155,11 @@ def _shape(folder: Path, config: dict, has_qkv_bias: bool) -> EagleShape:
                           has_qkv_bias)
     except (KeyError, TypeError, ValueError) as error:
         raise ModelFormatError(f"{folder}/{CONFIG}: incomplete layer config ({error})") from None
+
+
+def _ours(folder: Path, config: dict) -> dict:
+    """What draftwise recorded in the config (its "draftwise" object; none: empty)."""
+    ours = config.get("draftwise")
+    if ours is not None and not isinstance(ours, dict):
+        raise ModelFormatError(f"{folder}/{CONFIG}: \"draftwise\" must be an object")
+    return ours or {}

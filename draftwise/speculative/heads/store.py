@@ -4,6 +4,7 @@ drafter asked for no particular head looks (`default_folder`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -13,29 +14,39 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftwise.errors import InvalidParameterError, ModelFormatError
+from draftwise.loading.registry import KNOWN_MODELS
 from draftwise.paths import cache_root
 
 WEIGHTS = "head.safetensors"
 CONFIG = "config.json"
+CHECKPOINT = "checkpoint.pt"  # a training run's state after its last finished epoch
 
 
 def default_folder(kind: str, target: str) -> Path:
-    """Where `draftwise train-head` puts the head of this kind for this target (by its name)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(target).name or target)
-    return cache_root() / "heads" / kind / name
+    """Where `draftwise train-head` puts the head of this kind for this target: a known model by its
+    name; a model at a path by its folder's name and a digest of its absolute path (two models of
+    one name are two targets; "." is the folder it names, wherever it is run from)."""
+    if target in KNOWN_MODELS:
+        return cache_root() / "heads" / kind / target
+    where = Path(target).expanduser().resolve()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", where.name or "model")
+    return cache_root() / "heads" / kind / f"{name}-{hashlib.sha256(str(where).encode()).hexdigest()[:10]}"
 
 
 def head_folder(kind: str, label: str, target: str, given: str | None) -> Path:
     """The folder a drafter reads its head from: `given`, else the one trained for this target; a
     missing one is an error naming what was looked for (and the command that makes one)."""
     folder = Path(given) if given else default_folder(kind, target)
-    if folder.is_dir():
+    if folder.is_dir() and (given or (folder / CONFIG).is_file()):  # (a finished run writes its config)
         return folder
     if given:
         raise InvalidParameterError(f"no {label} head at {folder}")
-    raise InvalidParameterError(
-        f"no {label} head trained for {target!r} (looked in {folder}); make one with: draftwise train-head "
-        f"--target {target} --kind {kind} --data PROMPTS.jsonl")
+    command = f"draftwise train-head --target {target} --kind {kind} --data PROMPTS.jsonl"
+    if (folder / CHECKPOINT).is_file():
+        raise InvalidParameterError(f"the {label} head for {target!r} was not finished: its training was "
+                                    f"interrupted ({folder / CHECKPOINT}); the same command resumes it: {command}")
+    raise InvalidParameterError(f"no {label} head trained for {target!r} (looked in {folder}); make one with: "
+                                f"{command}")
 
 
 def save_head(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:

@@ -3,6 +3,7 @@ hidden states over it), settings, and per-epoch reports."""
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from draftwise.errors import InvalidParameterError
 from draftwise.speculative.vocab_trim import kept_token_ids
 
 
@@ -92,12 +94,19 @@ class Checkpoint:
         """Load the saved state if any (its reports into `result`); the first epoch left to run."""
         if self.path is None or not self.path.is_file():
             return 0
-        state = torch.load(self.path, weights_only=False)
-        self.module.load_state_dict(state["weights"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        result.reports = [EpochReport(**report) for report in state["reports"]]
-        return state["epoch"] + 1
+        try:
+            state = torch.load(self.path, weights_only=False)
+            self.module.load_state_dict(state["weights"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.schedule.load_state_dict(state["schedule"])
+            result.reports = [EpochReport(**report) for report in state["reports"]]
+            return state["epoch"] + 1
+        except (RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InvalidParameterError(
+                f"{self.path}: an interrupted run's checkpoint that this run cannot resume (another kind of head, "
+                f"another width, or a damaged file: {first}); delete it to start afresh, or resume with the "
+                f"settings it was made with") from None
 
     def save(self, epoch: int, result: TrainResult) -> None:
         if self.path is None:
