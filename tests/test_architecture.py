@@ -16,7 +16,7 @@ ROOT = Path(draftwise.__file__).parent
 LAYERS = [
     {"errors", "paths", "stats", "plots"},
     {"native"},
-    {"sampling", "text", "traffic"},
+    {"sampling", "text", "traffic", "output_paths"},
     {"structured"},
     {"model"},
     {"quant"},

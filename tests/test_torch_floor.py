@@ -22,6 +22,10 @@ VERSION_SENSITIVE = {
         (2, 6), "in 2.6.0's _VariableFunctions.pyi, not 2.5.0's (pytorch/pytorch#139611 split CPU int4 packing)"),
     "torch.ops.aten._weight_int4pack_mm_for_cpu": (
         (2, 6), "in 2.6.0's _VariableFunctions.pyi, not 2.5.0's (same pull request)"),
+    # (CUDA int4, quant/cuda_linear.py: these two were not checked against the wheels as the others were;
+    # from PyTorch's history: the uint8 [N, K/2] packing it uses since 2.5, int32 [N, K] before)
+    "torch.ops.aten._convert_weight_to_int4pack": ((2, 5), "takes uint8 [N, K/2] since 2.5 (torchao checks 2.5)"),
+    "torch.ops.aten._weight_int4pack_mm": ((2, 2), "tinygemm's op, added for gpt-fast before 2.2's release"),
     "enable_gqa": ((2, 5), "scaled_dot_product_attention's argument in 2.5.0's _nn.pyi, not 2.4.0's"),
     "torch.ops.aten._weight_int8pack_mm": ((2, 3), "in 2.3.0's _VariableFunctions.pyi, not 2.2.0's"),
     "torch.backends.cpu.get_cpu_capability": ((2, 1), "torch/backends/cpu/ is in 2.1.0, not 2.0.0"),
