@@ -99,16 +99,25 @@ class PendingMasks:
         return target_logits.masked_fill(~keep, float("-inf"))
 
 
-def dead_positions(batch: list[Sequence], logits: torch.Tensor) -> dict[int, int]:
+class DeadPositions:
     """Constrained row -> the first position of its pass where every token is excluded, its grammar's
     mask and the request's own exclusions together (bad_words, min_tokens' ban on ending, logit_bias
-    of -inf): nothing may be emitted there. logits [B, K+1, V], masked and processed."""
-    rows = [b for b, seq in enumerate(batch) if seq.grammar is not None]
-    if not rows:
-        return {}
-    none_left = (logits[rows] == float("-inf")).all(-1)  # [R, K+1]
-    first = torch.where(none_left.any(-1), none_left.int().argmax(-1), -1).tolist()  # (one host sync)
-    return {b: p for b, p in zip(rows, first) if p >= 0}
+    of -inf): nothing may be emitted there. Computed on the logits' device when built, read back on
+    the first `get` (after verification's own host sync, so the step waits on the device once)."""
+
+    def __init__(self, batch: list[Sequence], logits: torch.Tensor) -> None:
+        """logits [B, K+1, V], masked and processed."""
+        self.rows = [b for b, seq in enumerate(batch) if seq.grammar is not None]
+        self._first: torch.Tensor | list[int] = []
+        if self.rows:
+            none_left = (logits[self.rows] == float("-inf")).all(-1)  # [R, K+1]
+            self._first = torch.where(none_left.any(-1), none_left.int().argmax(-1), -1)  # [R], -1: none
+
+    def get(self, row: int) -> int | None:
+        if isinstance(self._first, torch.Tensor):
+            self._first = self._first.tolist()
+        position = dict(zip(self.rows, self._first)).get(row, -1)
+        return position if position >= 0 else None
 
 
 def answer_tokens(seq: Sequence, tokens: list[int], dead: int | None) -> tuple[list[int], str | None]:

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from draftwise.engine.constrained import (PendingMasks, after_commit, answer_tokens, dead_positions, forced_drafts,
+from draftwise.engine.constrained import (PendingMasks, after_commit, answer_tokens, DeadPositions, forced_drafts,
                                          with_forced, within_grammar)
 from draftwise.engine.hidden_states import HiddenRecorder, hand_hidden, hidden_layers, kept_positions, reads_hidden
 from draftwise.engine.logprobs import token_logprobs
@@ -283,7 +283,7 @@ class Engine:
         raw_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
         target_logits = self._on_grammar(masks.apply, raw_logits)  # (constrained rows masked)
         target_logits = apply_processors(batch, drafts, skipped, target_logits)  # (penalties, bias, ...)
-        dead = self._on_grammar(dead_positions, batch, target_logits) or {}  # constrained row -> nothing allowed
+        dead = self._on_grammar(DeadPositions, batch, target_logits)  # constrained row -> nothing allowed there
         sampling = SamplingBatch.build([seq.params for seq in batch], [len(seq.output_ids) for seq in batch],
                                        target_logits.shape[-1], target_logits.device)
         output_ids, num_accepted = self._verify_chains(batch, drafts, skipped, target_logits, sampling, trees)

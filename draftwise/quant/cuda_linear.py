@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from draftwise.quant.int8_rows import quantize_int8_rows
+
 GROUP = 32  # inputs sharing a scale and a zero (the CPU's int4 group)
 INNER_K_TILES = (8, 4, 2)  # tinygemm's packing: the largest whose 16-input tiles divide K
 
@@ -86,11 +88,7 @@ class CudaInt8Linear(nn.Module):
         """weight float [N, K] on the GPU: quantized here, symmetric, one scale per output channel."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        weight = weight.float()
-        # (the scale rounded up to bf16 first and the weight quantized against it, as on the CPU)
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12) * (1 + 2 ** -8)  # [N]
-        self.scales = scales.to(torch.bfloat16)
-        self.weight_int8 = torch.round(weight / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.weight_int8, self.scales = quantize_int8_rows(weight)  # int8 [N, K], bf16 [N]
         self.bias = bias
         self.packed_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
 

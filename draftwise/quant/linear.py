@@ -34,6 +34,7 @@ from draftwise.model.native_decoder import NativeLinear
 from draftwise.model.prompt_pass import in_prompt_pass
 from draftwise.quant import native_ops
 from draftwise.quant.activation_choice import int8_activations
+from draftwise.quant.int8_rows import quantize_int8_rows
 from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels, prompt_kernels
 from draftwise.quant.superblock_strips import (SUPER, kernel_available, pack_q4k_strips, rows_of_strips, strip_nibbles,
                                                unpack_q4k_strips, unstrip_nibbles)
@@ -206,12 +207,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, native: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        weight = weight.float()
-        # PyTorch's kernel takes bf16 scales: round each scale up to bf16 first and quantize against that,
-        # so the error stays within half a step (rounding the scale afterwards would add up to 127x its error).
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12) * (1 + 2 ** -8)  # [N]
-        self.scales = scales.to(KERNEL_DTYPE)
-        self.weight_int8 = torch.round(weight / self.scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.weight_int8, self.scales = quantize_int8_rows(weight)  # int8 [N, K], bf16 [N]
         self.bias = bias
         self._use_kernels(native)
 
