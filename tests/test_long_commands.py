@@ -90,3 +90,21 @@ def test_divergence_takes_a_few_tokens(tiny_qwen, capsys):
     assert main(["divergence", "--model", str(tiny_qwen), "--quantization", "none", "--tokens", "3",
                  "--window", "2"]) == 0
     assert "bit-identical: 3 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["--suite", "concurrency", "--temperature", "0.7"], "--temperature"),
+    (["--suite", "prefill", "--dataset", "humaneval", "--seed", "3"], "--dataset, --seed"),
+    (["--suite", "plain", "--draft", "qwen2.5-coder-0.5b"], "--draft"),
+    (["--suite", "grammar-engines", "--in-process"], "--in-process"),
+])
+def test_bench_refuses_a_flag_its_suite_does_not_read(tmp_path, capsys, argv, flags):
+    assert main(["bench", "--model", "no-such-model", "--output", str(tmp_path / "out"), *argv]) == 2
+    assert f"{flags}: not read by the" in capsys.readouterr().err
+
+
+def test_bench_takes_the_flags_its_suite_reads(tmp_path, capsys):
+    # (the model is then looked for: the flags passed the check)
+    assert main(["bench", "--model", "no-such-model", "--output", str(tmp_path / "out"), "--suite", "speculative",
+                 "--temperature", "0.7", "--dataset", "humaneval", "--in-process", "--draft", "x"]) != 0
+    assert "not read by" not in capsys.readouterr().err

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> None:
     if args.peers and args.suite not in suites_of_peer[args.peers]:
         raise InvalidParameterError(f"--peers {args.peers} runs beside the "
                                     f"{' and '.join(suites_of_peer[args.peers])} suite(s) only")
+    _refuse_unread(args)
     for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens", "hostile"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")
@@ -114,6 +115,38 @@ def run(args: argparse.Namespace) -> None:
         write_benchmarks_section(report, Path(args.write_benchmarks), args.section or f"suite-{args.suite}", command)
         paths["benchmarks"] = Path(args.write_benchmarks)
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+
+
+# flag dest -> the setting it sets, where the names differ
+_SETTING_OF = {"dataset": "datasets", "in_process": "isolation"}
+_NOT_SETTINGS = {"suite", "model", "output", "write_benchmarks", "section", "run", "argv"}
+
+
+def _refuse_unread(args: argparse.Namespace) -> None:
+    """A flag the chosen suite does not read is refused by name: it would change nothing, and the
+    report would record it as if it had been applied."""
+    from draftwise.benchmark.suites import READS
+    from draftwise.cli.speculative_flags import given_options, option_flags
+
+    option_dests = {flag.dest for flag in option_flags()}
+    parser_defaults = _defaults()
+    given = [dest for dest, value in vars(args).items()
+             if dest not in _NOT_SETTINGS and dest not in option_dests and dest in parser_defaults
+             and value != parser_defaults[dest]]
+    unread = ["--" + dest.replace("_", "-") for dest in given if _SETTING_OF.get(dest, dest) not in READS[args.suite]]
+    if given_options(args) and "options" not in READS[args.suite]:
+        unread += [flag.flag for flag in option_flags() if getattr(args, flag.dest, None) is not None]
+    if unread:
+        flags = ", ".join(unread)
+        raise InvalidParameterError(f"{flags}: not read by the {args.suite} suite (it would change nothing)")
+
+
+def _defaults() -> dict[str, object]:
+    """The bench flags' defaults, by dest."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    bench = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices["bench"]
+    return {action.dest: action.default for action in bench._actions if action.dest != "help"}
 
 
 def _levels(text: str | None) -> tuple[int, ...] | None:

@@ -32,6 +32,30 @@ SUITES = {
     "replicas": ("replicas", "serve --replicas on Ray Serve: 2 x 1 thread vs 1 x 1 throughput; affinity vs random routing"),
 }
 
+# The settings a command line may set that each suite reads (`model` and `output`: every suite). A
+# setting given to a suite that does not read it is refused by name (it would be recorded in the
+# report's settings as if it had been applied). `tests/test_bench_settings_read.py` checks each set
+# against what the suite's code reads.
+_PROMPTS = {"datasets", "per_category", "all_turns", "seed", "max_tokens", "max_model_len"}  # `prompts_for`
+READS: dict[str, set[str]] = {
+    "speculative": _PROMPTS | {"configs", "options", "temperature", "isolation", "peers", "background_load"},
+    "plain": _PROMPTS | {"formats", "isolation"},
+    "adaptive": _PROMPTS | {"configs", "options", "temperature", "isolation", "fixed_k", "background_load"},
+    "concurrency": _PROMPTS | {"configs", "options", "isolation", "levels", "requests"},
+    "server-load": _PROMPTS | {"configs", "options", "levels", "requests", "time_limit"},
+    "quantization": _PROMPTS | {"formats", "isolation", "eval_tokens"},
+    "drafting-options": _PROMPTS | {"configs", "options", "isolation", "background_load"},
+    "abuse": _PROMPTS | {"configs", "options", "levels", "requests", "time_limit", "hostile"},
+    "kernels": _PROMPTS | {"configs", "options", "temperature", "isolation", "peers", "background_load"},
+    "gpu": {"configs", "options", "levels", "peers", "device", "dtype", "load_format", "step_mode", "reference"},
+    "structured": {"per_category", "max_tokens", "max_model_len", "configs", "options", "isolation"},
+    "grammar-engines": set(),
+    "prefill": {"per_category", "max_tokens", "max_model_len", "isolation", "eval_tokens"},
+    "prefix-cache": {"per_category", "max_tokens", "max_model_len", "isolation"},
+    "processors": _PROMPTS | {"configs", "options", "isolation"},
+    "replicas": _PROMPTS | {"levels", "requests", "time_limit"},
+}
+
 
 @dataclass(slots=True)
 class BenchSettings:
