@@ -78,3 +78,22 @@ def test_cross_tokenizer_refuses_trees():
 
     with pytest.raises(InvalidParameterError, match="cross_tokenizer drafts text, not token trees"):
         DraftModelOptions(cross_tokenizer=True, draft_branches=2)
+
+
+@pytest.mark.parametrize("window", [0, 128])  # 0: the whole context, as far as it fits
+def test_a_text_longer_in_the_draft_vocabulary_than_the_context_is_still_answered(
+        tiny_qwen, other_vocabulary, plain, window, drafting_pays):
+    """The draft model's vocabulary spells this text in ~1.4x the target's tokens: its encoding
+    outgrows the context (and what the draft cache holds for the row); the draft reads less of it,
+    and the request is answered exactly as plain decoding answers it (it failed before)."""
+    text = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[0]\n" * 5
+    assert len(Tokenizer(other_vocabulary).encode(text)) > 256 > len(Tokenizer(tiny_qwen).encode(text)) + 48
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4, progress=False, speculative={
+        "method": "draft", "model": str(other_vocabulary), "cross_tokenizer": True, "num_speculative_tokens": 4,
+        "adaptive": False, "quantization": "none", "draft_context_window": window})
+    expected = plain.generate([text, text + "x"], params)
+    got = llm.generate([text, text + "x"], params)
+    assert [o.error for o in got] == [None, None]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert_drafted(got, accepted=False)

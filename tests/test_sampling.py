@@ -29,6 +29,8 @@ def batch_of(*params, positions=None, vocab=6):
     ({"stop": ["ok", "bad\ud800"]}, "stop\\[1\\] is not valid Unicode.*U\\+D800"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop": 5}, "stop must be a string or a list"),
+    ({"bad_words": 5}, "bad_words must be a list"),
 ])
 def test_bad_parameters_are_named(kwargs, message):
     with pytest.raises(InvalidParameterError, match=message):
@@ -82,3 +84,40 @@ def test_a_seeded_row_draws_the_same_beside_any_rows():
 def test_top_k_beyond_the_vocabulary_means_no_cut():
     batch = SamplingBatch.build([SamplingParams(top_k=2**63 - 1)], [0], 6, torch.device("cpu"))
     assert batch.top_k.tolist() == [6]
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-50])
+def test_a_temperature_below_the_greedy_threshold_is_greedy(temperature):
+    """vLLM's rule: under 1e-5 the request is greedy (logits / 1e-40 overflow float32 into NaNs)."""
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.greedy
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    batch = batch_of(params, vocab=3)
+    assert batch.all_greedy and batch.seeds == [None]
+    assert sample(logits, batch).tolist() == [1]
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 1e-40, 1e-50])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
+    probs = sampling_probs(logits, batch_of(SamplingParams(temperature=1.0, top_p=top_p), vocab=3))
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_a_row_at_top_p_one_cuts_nothing_when_another_row_sorts():
+    """One row's distribution does not depend on another row's top-p (float32 sums of a wide
+    vocabulary fall short of 1 and would cut the tail of a row that asked for no cut)."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 150_000) * 4  # a long, thin tail
+    alone = sampling_probs(logits, batch_of(SamplingParams(temperature=1.0), vocab=150_000))
+    beside = sampling_probs(logits.repeat(2, 1), batch_of(SamplingParams(temperature=1.0),
+                                                          SamplingParams(temperature=1.0, top_p=0.5), vocab=150_000))
+    assert torch.equal(beside[0], alone[0])
+    assert (beside[0] > 0).all()
+
+
+def test_an_overflowing_logit_samples_a_token_not_nans():
+    """A logit divided by a tiny repetition_penalty (+inf) stays the most likely token, sampled."""
+    logits = torch.tensor([[1.0, float("inf"), 0.5]])
+    probs = sampling_probs(logits, batch_of(SamplingParams(temperature=0.7, seed=1), vocab=3))
+    assert not probs.isnan().any() and probs.argmax().item() == 1
+    assert sample(logits, batch_of(SamplingParams(temperature=0.7, seed=1), vocab=3)).tolist() == [1]

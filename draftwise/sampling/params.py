@@ -11,6 +11,7 @@ from draftwise.sampling.structured_params import StructuredOutputsParams
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's and vLLM's limit)
 MAX_SAMPLES = 16  # n and best_of at most
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(slots=True)
@@ -44,6 +45,8 @@ class SamplingParams:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise InvalidParameterError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise InvalidParameterError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -93,7 +96,7 @@ class SamplingParams:
                 bias[token] = float(value)
             self.logit_bias = bias or None
         if self.bad_words is not None:
-            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            if not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words must be a list of non-empty strings")
             self.bad_words = [check_text(w, "bad_words") for w in self.bad_words] or None
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
@@ -109,7 +112,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Greedy: temperature 0, or below GREEDY_BELOW (vLLM's rule: logits / 1e-40 overflow float32)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value) -> bool:

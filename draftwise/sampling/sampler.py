@@ -39,7 +39,7 @@ class SamplingBatch:
               device: torch.device) -> "SamplingBatch":
         seeds = [None if p.greedy else p.seed for p in params]
         return cls(
-            temperature=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+            temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                                      dtype=torch.float32, device=device),
             top_k=torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
                                device=device),
@@ -85,7 +85,8 @@ class SamplingBatch:
 def warp_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Apply temperature, then min-p, then top-k, then top-p to logits [N, V] (vLLM's order); cut
     tokens become -inf."""
-    logits = logits.float() / batch.temperature[:, None]
+    # (a huge logit, say one a tiny repetition_penalty divided, stays finite: +inf would make NaNs)
+    logits = (logits.float() / batch.temperature[:, None]).clamp(max=torch.finfo(torch.float32).max)
     if batch.needs_min_p:
         # p(x) < min_p max p  <=>  logit(x) < max logit + log(min_p)
         floor = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p[:, None])
@@ -97,7 +98,9 @@ def warp_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     cut = ranks[None, :] >= batch.top_k[:, None]  # top-k
     sorted_probs = sorted_logits.masked_fill(cut, float("-inf")).softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    cut |= mass_before >= batch.top_p[:, None]  # top-p: keep the smallest prefix reaching top_p
+    # top-p: keep the smallest prefix reaching top_p, at least the most likely token; a row at top_p 1
+    # sorted for another row's sake cuts nothing (float32 sums short of 1 would cut its tail)
+    cut |= (mass_before >= batch.top_p[:, None]) & (batch.top_p[:, None] < 1) & (ranks[None, :] > 0)
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

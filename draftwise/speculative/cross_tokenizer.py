@@ -8,6 +8,12 @@ text and encoded in the target's vocabulary. That encoding must begin with those
 (a safe boundary: the drafted text did not merge into them); what follows, but its last token
 (which more text could still change), is the draft.
 
+What the draft model reads is bounded: the text from a start point (an index into the committed
+target tokens) that stays put while the encoding fits, so the draft cache keeps its prefix; where
+the encoding would hold more draft tokens than the request's target tokens (the draft's cache is
+sized by the target's), its context (`context_window`: from W target tokens past it), the start
+moves up to the last W tokens (halved again until the encoding fits).
+
 Lossless for every request: the draft is a point mass the target verifies (greedy and seeded rows
 by equality with the target's own token; sampled rows by rejection sampling, which accepts a point
 mass at x with probability p(x) and otherwise draws from p without x: exactly p, whatever proposed
@@ -49,16 +55,20 @@ class _DraftSide:
 class CrossTokenizerProposer:
     catch_up_window = None
 
-    def __init__(self, runner: ModelRunner, draft_tokenizer: Tokenizer, target_tokenizer: Tokenizer) -> None:
+    def __init__(self, runner: ModelRunner, draft_tokenizer: Tokenizer, target_tokenizer: Tokenizer,
+                 context_window: int | None = None) -> None:
         self.runner = runner
         self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
+        self.context_window = context_window  # target tokens the draft reads at least (None: all that fit)
         self._rows: dict[str, int] = {}  # request id -> draft cache row
         self._held: dict[str, list[int]] = {}  # request id -> the draft-vocabulary ids its row holds
+        self._starts: dict[str, int] = {}  # request id -> the first committed target token the draft reads
 
     def propose(self, seqs: list[SequenceState], num_tokens: list[int]) -> list[Draft]:
         sides, rows = [], []
-        for seq in seqs:
-            ids = self._draft_ids(seq)
+        asked = [k + EXTRA_DRAFT_TOKENS if k else 0 for k in num_tokens]
+        for seq, extra in zip(seqs, asked):
+            ids = self._draft_ids(seq, room=min(self.runner.max_len - extra, len(seq.token_ids)) - 1)
             row = self._rows.setdefault(seq.request_id, self.runner.allocate())
             held = self._held.get(seq.request_id, [])
             shared = 0
@@ -67,7 +77,6 @@ class CrossTokenizerProposer:
             self.runner.truncate(row, min(shared, self.runner.length(row)))
             sides.append(_DraftSide(seq.request_id, ids))
             rows.append(row)
-        asked = [k + EXTRA_DRAFT_TOKENS if k else 0 for k in num_tokens]
         drafted = draft_autoregressively(self.runner, rows, sides, asked)
         drafts = []
         for seq, side, row, draft, k in zip(seqs, sides, rows, drafted, num_tokens):
@@ -77,10 +86,25 @@ class CrossTokenizerProposer:
             drafts.append(Draft(self._in_target_vocabulary(seq, draft.token_ids)[:k]) if k else Draft([]))
         return drafts
 
-    def _draft_ids(self, seq: SequenceState) -> list[int]:
-        """The request's committed text in the draft model's vocabulary."""
-        text = self.target_tokenizer.decode(seq.token_ids, skip_special_tokens=False)
-        return self.draft_tokenizer.encode(text)
+    def _draft_ids(self, seq: SequenceState, room: int) -> list[int]:
+        """The request's committed text from its start point in the draft model's vocabulary, at most
+        `room` tokens (the start moved up where it would be more; see the module's docstring)."""
+        start = self._starts.get(seq.request_id, 0)
+        window = self.context_window
+        ids = self._encode(seq.token_ids[start:])
+        if len(ids) > room or (window is not None and len(seq.token_ids) - start > 2 * window):
+            keep = min(window or len(seq.token_ids), len(seq.token_ids))
+            while True:
+                start = len(seq.token_ids) - keep
+                ids = self._encode(seq.token_ids[start:])
+                if len(ids) <= room or keep == 1:
+                    break
+                keep //= 2
+            self._starts[seq.request_id] = start
+        return ids[-max(room, 1):]
+
+    def _encode(self, target_ids: list[int]) -> list[int]:
+        return self.draft_tokenizer.encode(self.target_tokenizer.decode(target_ids, skip_special_tokens=False))
 
     def _in_target_vocabulary(self, seq: SequenceState, draft_ids: list[int]) -> list[int]:
         """The drafted text as target tokens after the committed ones, up to a safe boundary."""
@@ -105,6 +129,7 @@ class CrossTokenizerProposer:
 
     def release(self, seq: SequenceState) -> None:
         self._held.pop(seq.request_id, None)
+        self._starts.pop(seq.request_id, None)
         row = self._rows.pop(seq.request_id, None)
         if row is not None:
             self.runner.free(row)

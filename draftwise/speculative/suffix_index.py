@@ -6,7 +6,8 @@ often each"; here the same answer comes from two indexes of occurrences, of ever
 run of LONG_KEY tokens, each occurrence extended backwards to the full match length:
 
     1. candidates: the positions right after each occurrence of the context's last LONG_KEY tokens,
-       or where those never occurred, of its last token (the most recent MAX_CANDIDATES of them:
+       or where none of those can be used (never occurred, or only at the corpus's end or in dropped
+       documents), of its last token (the most recent MAX_CANDIDATES of them:
        the long key finds an old document's long match among thousands of newer single-token ones);
     2. match length of a candidate p: the largest m <= max_match with corpus[p-m:p] == context[-m:];
        the occurrences of the longest match are kept (the node of the suffix tree that would be
@@ -102,10 +103,17 @@ class SuffixIndex:
         return Continuation(token_ids, probabilities, best, len(matches), documents, parents)
 
     def _longest_matches(self, context: list[int], max_match: int) -> tuple[int, list[int]]:
-        """The longest match length, and the positions right after each of its occurrences."""
-        candidates = self.long.get(hash(tuple(context[-LONG_KEY:]))) if len(context) >= LONG_KEY else None
-        if candidates is None:
-            candidates = self.short.get(context[-1])
+        """The longest match length, and the positions right after each of its occurrences: among the
+        occurrences of the context's last LONG_KEY tokens, or where none of those can be used (none,
+        only the context's own end, or only dropped documents), of its last token."""
+        if len(context) >= LONG_KEY:
+            best, matches = self._matches_among(self.long.get(hash(tuple(context[-LONG_KEY:]))), context, max_match)
+            if matches:
+                return best, matches
+        return self._matches_among(self.short.get(context[-1]), context, max_match)
+
+    def _matches_among(self, candidates: int | list[int] | None, context: list[int],
+                       max_match: int) -> tuple[int, list[int]]:
         if candidates is None:
             return 0, []
         if isinstance(candidates, int):

@@ -229,7 +229,8 @@ def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelP
     draft_model = load_model(folder, runner.device, runner.dtype, quantization=quantization,
                              load_format=target.load_format)
     if options.cross_tokenizer:  # (its whole vocabulary: a trimmed head would rank the target's ids)
-        return CrossTokenizerProposer(_draft_runner(draft_model, target), Tokenizer(folder), target.tokenizer)
+        return CrossTokenizerProposer(_draft_runner(draft_model, target), Tokenizer(folder), target.tokenizer,
+                                      options.draft_context_window)
     target_vocab = runner.model.config.vocab_size
     if options.draft_vocab_size is not None and options.draft_vocab_size < draft_model.config.vocab_size:
         trim_lm_head(draft_model, kept_token_ids(target.tokenizer, options.draft_vocab_size), target_vocab)

@@ -66,7 +66,7 @@ class MedusaProposer(CachelessProposer):
             chain = top_tokens[r, :k, 0].tolist()
             # Trees for rows that keep the target's own path (greedy, seeded); an unseeded sampled
             # row's siblings would need the heads' distributions drawn without replacement.
-            if top_probs is None or (seqs[b].params.temperature > 0 and seqs[b].params.seed is None):
+            if top_probs is None or (not seqs[b].params.greedy and seqs[b].params.seed is None):
                 drafts[b] = Draft(chain)
             else:
                 # the chain, then each head's next candidates beside its token, scored by the heads' probabilities

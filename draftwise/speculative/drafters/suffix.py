@@ -33,20 +33,27 @@ from draftwise.speculative.suffix_index import Continuation, SuffixIndex
 BYTES_PER_TOKEN = 184  # what a cached token costs (~180 bytes where no token repeats: tests/test_suffix.py)
 
 
+LIVE_SHARE = 2 / 3  # of the cache's tokens held by live text; the rest is evicted text awaiting compaction
+
+
 class SuffixCache:
-    """Earlier requests' text, one corpus per partition, least recently matched out first."""
+    """Earlier requests' text, one corpus per partition, least recently matched out first. The
+    corpora (live text, and evicted text until a partition is compacted) stay within `max_tokens`:
+    live text takes at most LIVE_SHARE of it, so a compaction comes once every (1 - LIVE_SHARE) x
+    max_tokens evicted tokens at most (while it runs, the partition's copy is held twice)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_tokens = max(0, max_bytes // BYTES_PER_TOKEN)
+        self.max_tokens = max(0, max_bytes // BYTES_PER_TOKEN)  # live and evicted together
+        self.max_live = int(self.max_tokens * LIVE_SHARE)
         self.partitions: dict[object, SuffixIndex] = {}
         self.entries: OrderedDict[tuple[object, int], int] = OrderedDict()  # (partition, document) -> tokens
-        self.num_tokens = 0
-        self._dropped_tokens: dict[object, int] = {}
+        self.num_tokens = 0  # live
+        self._dropped_tokens: dict[object, int] = {}  # partition -> evicted tokens still in its corpus
         self._next_document = 0
         self._lock = threading.Lock()
 
     def add(self, partition: object, token_ids: list[int]) -> None:
-        token_ids = token_ids[-(self.max_tokens - 1):] if self.max_tokens > 1 else []
+        token_ids = token_ids[-(self.max_live - 1):] if self.max_live > 1 else []
         if not token_ids:
             return
         with self._lock:
@@ -56,19 +63,28 @@ class SuffixCache:
             index.separate()
             self.entries[(partition, document)] = len(token_ids) + 1
             self.num_tokens += len(token_ids) + 1
-            while self.num_tokens > self.max_tokens:
+            while self.num_tokens > self.max_live:
                 self._evict()
+            while self.num_tokens + sum(self._dropped_tokens.values()) > self.max_tokens:
+                self._compact(max(self._dropped_tokens, key=self._dropped_tokens.__getitem__))
+
+    def corpus_tokens(self) -> int:
+        """Tokens the corpora hold: live and evicted not yet compacted (what the bound is on)."""
+        return sum(map(len, self.partitions.values()))
 
     def _evict(self) -> None:
         (partition, document), size = self.entries.popitem(last=False)
         self.num_tokens -= size
+        self.partitions[partition].drop(document)
+        self._dropped_tokens[partition] = self._dropped_tokens.get(partition, 0) + size
+
+    def _compact(self, partition: object) -> None:
+        """Rebuild the partition without its evicted text (gone altogether where nothing is left)."""
+        del self._dropped_tokens[partition]
         index = self.partitions[partition]
-        index.drop(document)
-        dropped = self._dropped_tokens.get(partition, 0) + size
-        if 2 * dropped > len(index):  # more dead than live: rebuild without them
-            index.compact()
-            dropped = 0
-        self._dropped_tokens[partition] = dropped
+        index.compact()
+        if not len(index):
+            del self.partitions[partition]
 
     def lookup(self, partition: object, context: list[int], max_tokens: int, max_match: int,
                min_probability: float, max_branches: int = 1) -> Continuation:

@@ -103,7 +103,7 @@ class HeadProposer:
             return drafts
         caught_up = {b: self._catch_up(seqs[b]) for b in wanted}
         trees = [b for b in wanted if self.branches > 1
-                 and not (seqs[b].params.temperature > 0 and seqs[b].params.seed is None)]
+                 and not (not seqs[b].params.greedy and seqs[b].params.seed is None)]
         for b in trees:
             drafts[b] = self._tree(seqs[b], *caught_up[b], num_tokens[b])
         chains = [b for b in wanted if b not in trees]
