@@ -180,6 +180,34 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, llm):
     assert 'draftwise:request_aborted_total{model_name="tiny",reason="client_disconnected"}' in metrics
 
 
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_counted_once_as_aborted(server, llm, monkeypatch):
+    step = llm.engine.step
+
+    def slow_step():  # (the client leaves after its request began, before it ends)
+        time.sleep(0.03)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
+    aborted = 'draftwise:request_aborted_total{model_name="tiny",reason="client_disconnected"}'
+    as_finished = 'draftwise:request_success_total{finished_reason="abort",model_name="tiny"}'
+    before = httpx.get(server.url + "/metrics", timeout=30).text
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.time() + 20
+    while time.time() < deadline and (llm.engine_stats()["running"] or _metric(
+            httpx.get(server.url + "/metrics", timeout=30).text, aborted) == _metric(before, aborted)):
+        time.sleep(0.05)
+    after = httpx.get(server.url + "/metrics", timeout=30).text
+    assert _metric(after, aborted) == _metric(before, aborted) + 1
+    assert _metric(after, as_finished) == _metric(before, as_finished) == 0
+
+
 def test_metrics_count_speculation_per_segment(server):
     client = server.client()
     prompt = "x = 1\nx = 1\nx = 1\nx ="

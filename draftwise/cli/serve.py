@@ -7,7 +7,7 @@ import os
 import sys
 
 from draftwise.cli.model_flags import add_model_arguments, model_keywords
-from draftwise.cli.speculative_flags import speculative_from_args
+from draftwise.cli.speculative_flags import given_options, options_for, speculative_from_args
 from draftwise.errors import InvalidParameterError
 
 API_KEY_ENV = "DRAFTWISE_API_KEY"
@@ -86,14 +86,19 @@ def build_server(args: argparse.Namespace, announce: bool = True):
     if args.kv_cache_memory_gb is not None and not args.kv_cache_memory_gb > 0:  # (0 is no budget, not the default)
         raise InvalidParameterError(f"--kv-cache-memory-gb must be positive, got {args.kv_cache_memory_gb}")
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb is not None else None
-    llm = LLM(args.model, **model_keywords(args),
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
-              speculative=speculative_from_args(args))
     methods = ([spec.name for spec in all_specs() if spec.per_request] if args.per_request_methods is None
                else [m for m in args.per_request_methods.split(",") if m])
+    unknown = [m for m in methods if m not in {spec.name for spec in all_specs()}]
+    if unknown:
+        raise InvalidParameterError(f"--per-request-methods: unknown method(s) {unknown}; known: "
+                                    f"{[spec.name for spec in all_specs()]}")
+    llm = LLM(args.model, **model_keywords(args),
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
+              speculative=speculative_from_args(args, methods))
+    given = given_options(args)  # (the drafter options given apply to the per-request drafters taking them)
     for method in methods:  # built (and their costs measured) now: no request waits for a build
         try:
-            llm.prepare_drafter(method)
+            llm.prepare_drafter(method, options_for(method, given, strict=False))
         except InvalidParameterError as error:
             if args.per_request_methods is not None:
                 raise  # asked for by name: it must be there

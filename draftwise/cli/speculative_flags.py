@@ -69,19 +69,23 @@ def given_options(args: argparse.Namespace) -> dict[str, object]:
     return given
 
 
-def speculative_from_args(args: argparse.Namespace) -> dict | None:
-    """The `speculative` dict for `--method` and the flags given (None without --method)."""
+def speculative_from_args(args: argparse.Namespace, per_request: list[str] = ()) -> dict | None:
+    """The `speculative` dict for `--method` and the flags given (None without --method). Drafter
+    options that one of the `per_request` methods takes (the server's) need no --method."""
     given = given_options(args)
+    elsewhere = {name for method in per_request for name in options_for(method, given, strict=False)}
     if not args.method:
         shared = [flag for flag, value in (("-k", args.num_speculative_tokens), ("--fixed-k", args.fixed_k or None),
                                            ("--draft-probability", args.draft_probability)) if value is not None]
-        if given or shared:
-            raise InvalidParameterError(f"{', '.join(shared + ([_flags(given)] if given else []))} need --method")
+        alone = set(given) - elsewhere
+        if alone or shared:
+            raise InvalidParameterError(f"{', '.join(shared + ([_flags(alone)] if alone else []))} need --method")
         return None
+    options_for(args.method, {name: given[name] for name in set(given) - elsewhere}, strict=True)
     return {"method": args.method, "num_speculative_tokens": num_speculative_tokens(args),
             "adaptive": not args.fixed_k,
             "draft_probability": 1.0 if args.draft_probability is None else args.draft_probability,
-            **options_for(args.method, given, strict=True)}
+            **options_for(args.method, given, strict=False)}
 
 
 def num_speculative_tokens(args: argparse.Namespace) -> int:

@@ -193,11 +193,12 @@ class LLM:
         finally:
             self.engine.recorder = None
 
-    def prepare_drafter(self, method: str) -> None:
-        """Build the drafter that requests naming `method` use (with its defaults), if not built yet;
-        the server does this at start-up so that no request waits for a build."""
+    def prepare_drafter(self, method: str, options: dict | None = None) -> None:
+        """Build the drafter that requests naming `method` use (with these of its options, else its
+        defaults), if not built yet; the server does this at start-up so that no request waits for
+        a build."""
         if method not in self.engine.drafters:
-            config = SpeculativeConfig.from_value({"method": method})
+            config = SpeculativeConfig.from_value({**(options or {}), "method": method})
             if not config.spec.per_request:
                 raise InvalidParameterError(
                     f"method {method!r} loads a model of its own: build the LLM (or start the server) with "

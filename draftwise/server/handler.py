@@ -61,7 +61,7 @@ class RequestHandler:
         if body.stream:
             return StreamingResponse(stream_events([first], [outputs], context, self.metrics),
                                      media_type="text/event-stream")
-        final = await self._last_output(request, first, outputs)
+        final = await self._counting_a_disconnect(self._last_output(request, first, outputs))
         if final.finish_reason == "error":
             raise RequestError(FAILED_STATUS.get(final.error_reason, 500), final.error or "the request failed",
                                kind="server_error", code=final.error_reason or "engine_error")
@@ -89,8 +89,15 @@ class RequestHandler:
                                     engine_request.calls_tools, self._logprobs_format(engine_request), echo)
             return StreamingResponse(stream_events(firsts, streams, context, self.metrics),
                                      media_type="text/event-stream")
-        finals = await asyncio.gather(*(self._last_output(request, first, stream)
-                                        for first, stream in zip(firsts, streams)))
+        endings = await asyncio.gather(*(self._last_output(request, first, stream)
+                                         for first, stream in zip(firsts, streams)),
+                                       return_exceptions=True)  # (every sample runs to its end or its abort)
+        error = next((ending for ending in endings if isinstance(ending, BaseException)), None)
+        if error is not None:
+            if isinstance(error, RequestError) and error.status == CLIENT_CLOSED_REQUEST:
+                self.metrics.observe_aborted("client_disconnected")  # (once for the request)
+            raise error
+        finals = endings
         failed = next((final for final in finals if final.finish_reason == "error"), None)
         if failed is not None:
             raise RequestError(FAILED_STATUS.get(failed.error_reason, 500), failed.error or "the request failed",
@@ -182,16 +189,26 @@ class RequestHandler:
                 await stream.aclose()  # (a sample that had begun is aborted)
             raise
 
+    async def _counting_a_disconnect(self, awaitable):
+        """Await a non-streamed request's end; a client that went away is counted as such (and not
+        as a finished request: its partial answer is nobody's)."""
+        try:
+            return await awaitable
+        except RequestError as error:
+            if error.status == CLIENT_CLOSED_REQUEST:
+                self.metrics.observe_aborted("client_disconnected")
+            raise
+
     async def _last_output(self, request: Request, first: RequestOutput,
                            outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-        """Run a non-streamed request to its end (aborted if its client goes away)."""
+        """Run a non-streamed request to its end (aborted, RequestError CLIENT_CLOSED_REQUEST, if its
+        client goes away)."""
         final = first
         try:
             while not final.finished:
                 final = await anext(outputs)
                 if not final.finished and await request.is_disconnected():
-                    self.metrics.observe_aborted("client_disconnected")
-                    break
+                    raise RequestError(CLIENT_CLOSED_REQUEST, "the client went away before the answer was complete")
         except EngineStopped as error:
             self.metrics.observe_aborted("shutdown")
             raise RequestError(503, str(error), kind="server_error", code="server_shutting_down") from None

@@ -293,6 +293,10 @@ def _options(body: SamplingFields, served: Served) -> dict:
         if not spec.enabled or spec.num_speculative_tokens == 0:
             options["speculative"] = {"enabled": False}
         else:
+            if spec.method is None and served.default is None:
+                raise RequestError(400, "this server decodes without speculation unless a request names "
+                                   f"speculative.method (served: {sorted(served.methods) or 'none'})",
+                                   "speculative.method")
             if spec.method is not None and spec.method not in served.methods:
                 raise RequestError(400, f"speculative method {spec.method!r} is not served here; served: "
                                    f"{sorted(served.methods) or 'none'}", "speculative.method")
