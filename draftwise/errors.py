@@ -48,3 +48,7 @@ def check_text(value: str, what: str) -> str:
             f"{what} is not valid Unicode text: a lone surrogate U+{ord(value[error.start]):04X} at character "
             f"{error.start}") from None
     return value
+
+
+class CacheNotWritableError(DraftwiseError):
+    """The cache folder (DRAFTWISE_CACHE) cannot be written where a model must be fetched or converted."""

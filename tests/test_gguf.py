@@ -96,3 +96,67 @@ def test_truncated_gguf_is_a_clear_error(tiny_qwen_gguf, tmp_path, keep):
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ModelFormatError, match="truncated.gguf.*(corrupt|truncated)"):
         GGUFFile(path)
+
+
+def test_gguf_metadata_missing_or_zero_is_named(tiny_qwen, tmp_path, monkeypatch):
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from draftwise.errors import ModelFormatError
+    from draftwise.loading.gguf_file import GGUFFile
+    from draftwise.loading.gguf_tokenizer import build_tokenizer
+    from tests.tiny_models import write_tiny_gguf
+
+    folder = tmp_path / "no-heads"
+    shutil.copytree(tiny_qwen, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0, "num_key_value_heads": 0}))
+    monkeypatch.setattr("draftwise.loading.hf_folder.read_config", lambda folder: SimpleNamespace(rope_theta=1e4))
+    path = write_tiny_gguf(folder, tmp_path / "no-heads.gguf")  # (the writer reads one field through our config)
+    monkeypatch.undo()
+    with pytest.raises(ModelFormatError, match="no-heads.gguf: metadata qwen2.attention.head_count is 0"):
+        GGUFFile(path)
+    with pytest.raises(ModelFormatError, match="x.gguf: tokenizer metadata 'tokenizer.ggml.merges' is missing"):
+        build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]}, "x.gguf")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": "two"}, "config.json: a malformed value"),
+    ({"max_position_embeddings": 0}, "config.json: max_position_embeddings must be a positive integer"),
+    ({"hidden_size": None}, "config.json: a malformed value"),
+])
+def test_malformed_config_values_are_named(tiny_qwen, change, message):
+    import json
+
+    from draftwise.errors import ModelFormatError
+    from draftwise.model.config import ModelConfig
+
+    config = {**json.loads((tiny_qwen / "config.json").read_text()), **change}
+    with pytest.raises(ModelFormatError, match=message):
+        ModelConfig.from_hf_dict(config)
+    with pytest.raises(ModelFormatError, match="config.json: not a JSON object"):
+        ModelConfig.from_hf_dict([config])
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"split.count": 2, "split.no": 0}, "part 1 of a GGUF split into 2 files; merge them first"),
+    ({"general.type": "adapter"}, "a LoRA adapter, not a model"),
+])
+def test_a_split_part_or_an_adapter_is_named_as_such(tiny_qwen, tmp_path, metadata, message):
+    from tests.tiny_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_qwen, tmp_path / "model.gguf", plain_metadata=metadata)
+    with pytest.raises(ModelFormatError, match=message):
+        GGUFFile(path)
+
+
+def test_a_pre_quantized_checkpoint_is_refused_by_name(tiny_qwen):
+    import json
+
+    from draftwise.model.config import ModelConfig
+
+    config = {**json.loads((tiny_qwen / "config.json").read_text()),
+              "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    with pytest.raises(ModelFormatError, match="a pre-quantized checkpoint \\(gptq\\) is not supported"):
+        ModelConfig.from_hf_dict(config)

@@ -54,3 +54,29 @@ def test_first_layers_and_hidden_states(tiny_qwen):
     torch.testing.assert_close(captured_all[0], hidden_1)
     torch.testing.assert_close(captured_all[1], full)
     assert not torch.allclose(hidden_1, full)
+
+
+def test_mistrals_sliding_window_is_honoured_as_transformers_does(tiny_llama, tmp_path):
+    """A Mistral config.json with sliding_window (7B v0.1: 4096) attends over that many keys in every
+    layer (it was ignored: the output of a window-less model); decoding through the cache agrees."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "tiny-mistral"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4)
+    (folder / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor(PROMPT)).logits[0]  # [10, V]
+    model = load_model(folder)
+    assert model.config.sliding_window == 4
+    runner = ModelRunner(model, max_num_rows=1, max_len=64, block_size=4)
+    row = runner.allocate()
+    first = runner.forward([row], [PROMPT[0][:6]], [6]).logits
+    steps = [runner.forward([row], [[t]], [1]).logits[0] for t in PROMPT[0][6:]]
+    torch.testing.assert_close(torch.cat([first, torch.stack(steps)]), expected, rtol=1e-4, atol=1e-4)

@@ -21,6 +21,9 @@ def test_speculation_asked_of_a_plain_server_without_a_method_names_the_field(sp
         completion_request(body, ServerLimits(), Served(frozenset({"ngram", "suffix"}), None))
     assert error.value.status == 400 and error.value.param == "speculative.method"
     assert "ngram" in error.value.message
+    with pytest.raises(RequestError, match="'nope' is not served"):  # (a bad value is refused even when off)
+        completion_request(CompletionRequest(model="m", prompt="hi", speculative={"enabled": False, "method": "nope"}),
+                           ServerLimits(), Served(frozenset({"ngram"}), "ngram"))
     asked = completion_request(CompletionRequest(model="m", prompt="hi", speculative={"method": "ngram"}),
                                ServerLimits(), Served(frozenset({"ngram"}), None))
     assert asked.options["speculative"]["method"] == "ngram"

@@ -210,3 +210,23 @@ def test_a_short_match_is_found_where_the_long_key_occurs_only_at_the_end_or_in_
     shared.drop(0)
     found = shared.lookup([1, 2, 3, 4], 2, **ANY)
     assert found.token_ids == [60, 61] and found.documents == {1}
+
+
+def test_only_requests_that_ended_as_they_should_join_the_cache_and_each_once():
+    from types import SimpleNamespace
+
+    from draftwise.speculative.drafters.suffix import SuffixProposer
+
+    proposer = SuffixProposer(SuffixOptions())
+
+    def request(request_id, reason):
+        return SimpleNamespace(request_id=request_id, finish_reason=reason, token_ids=[1, 2, 3, 4, 5, 6],
+                               output_ids=[4, 5, 6])
+
+    for request_id, reason in (("failed", "error"), ("aborted", "abort"), ("running", None)):
+        proposer.release(request(request_id, reason))
+    assert proposer.cache.num_tokens == 0
+    done = request("done", "length")
+    proposer.release(done)
+    proposer.release(done)  # (undone in a failed step, then retired)
+    assert proposer.cache.num_tokens == len(done.token_ids) + 1  # its text and a separator, once

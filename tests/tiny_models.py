@@ -194,7 +194,8 @@ def _stacked_experts(tensors: dict, config: dict) -> dict[str, np.ndarray]:
 def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quantize_q4k: bool = False,
                     q4k_except: tuple[str, ...] = (), q6k_for: tuple[str, ...] = (),
                     chat_template: str | None = CHAT_TEMPLATE,
-                    metadata: dict | None = None, extra_tensors: dict | None = None) -> Path:
+                    metadata: dict | None = None, extra_tensors: dict | None = None,
+                    plain_metadata: dict | None = None) -> Path:
     """Write the HF folder's model as a GGUF file the way llama.cpp's converter lays it out.
 
     q4k_except: weight names containing one of these stay out of Q4_K (Q8_0 if quantize_q8), the
@@ -202,6 +203,7 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
     q6k_for: weight names containing one of these are stored as Q6_K (as Q4_K_M does the LM head and
     half the down projections).
     chat_template: stored as `tokenizer.chat_template` (None: the file has none).
+    plain_metadata: keys written as they are (not under the architecture): str or int values.
     """
     import gguf
     from safetensors.numpy import load_file
@@ -245,6 +247,8 @@ def write_tiny_gguf(hf_folder: Path, path: Path, quantize_q8: bool = False, quan
         writer.add_chat_template(chat_template)
     for key, value in (metadata or {}).items():  # e.g. {"rope.scaling.type": "yarn"} under the architecture
         (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{arch}.{key}", value)
+    for key, value in (plain_metadata or {}).items():  # e.g. {"split.count": 2}
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
     for gguf_name, array in (extra_tensors or {}).items():  # e.g. rope_freqs.weight
         writer.add_tensor(gguf_name, np.asarray(array, dtype=np.float32))
     if expert_tensors:

@@ -34,7 +34,9 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise InvalidParameterError(f"dtype must be one of {', '.join(map(str, DTYPES.values()))}, got {dtype}")
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidParameterError(f"dtype must be one of {', '.join(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]

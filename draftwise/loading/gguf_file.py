@@ -97,8 +97,11 @@ class GGUFFile:
         self.path = path
         if not path.is_file():
             raise ModelNotFoundError(f"{path}: no such file")
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
+        try:
+            with open(path, "rb") as handle:
+                magic = handle.read(4)
+        except OSError as error:
+            raise ModelFormatError(f"{path}: cannot be read ({error.strerror or error})") from None
         if magic != b"GGUF":
             raise ModelFormatError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
         try:
@@ -108,12 +111,29 @@ class GGUFFile:
         self._check_extents()
         self.metadata = {name: self._field(name) for name in self._reader.fields if not name.startswith("GGUF.")}
         self.architecture = self.metadata.get("general.architecture")
+        if self.metadata.get("general.type") == "adapter":
+            raise ModelFormatError(f"{path}: a LoRA adapter, not a model (load its base model; adapters are not "
+                                   "supported)")
+        if int(self.metadata.get("split.count") or 1) > 1:
+            raise ModelFormatError(
+                f"{path}: part {int(self.metadata.get('split.no') or 0) + 1} of a GGUF split into "
+                f"{int(self.metadata['split.count'])} files; merge them first (llama.cpp: `llama-gguf-split "
+                "--merge FIRST-PART OUT.gguf`)")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelFormatError(
                 f"{path}: architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        self.config = self._config()
+        try:
+            self.config = self._config()
+        except KeyError as missing:
+            raise ModelFormatError(f"{path}: metadata {missing} is missing") from None
+        except ZeroDivisionError:
+            raise ModelFormatError(f"{path}: metadata {self.architecture}.attention.head_count is 0") from None
+        except (TypeError, ValueError) as error:
+            raise ModelFormatError(f"{path}: malformed metadata ({error})") from None
+        except ModelFormatError as error:
+            raise (error if str(path) in str(error) else ModelFormatError(f"{path}: {error}")) from None
 
     def _field(self, name: str):
         try:

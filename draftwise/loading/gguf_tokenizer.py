@@ -41,7 +41,17 @@ def _pre_tokenizer(pre: str):
 
 
 def build_tokenizer(metadata: dict, source: str) -> Tokenizer:
-    """metadata: the GGUF `tokenizer.ggml.*` fields as Python values."""
+    """metadata: the GGUF `tokenizer.ggml.*` fields as Python values (one missing or malformed: a
+    ModelFormatError naming it)."""
+    try:
+        return _build_tokenizer(metadata, source)
+    except KeyError as missing:
+        raise ModelFormatError(f"{source}: tokenizer metadata {missing} is missing") from None
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ModelFormatError(f"{source}: malformed tokenizer metadata ({error})") from None
+
+
+def _build_tokenizer(metadata: dict, source: str) -> Tokenizer:
     kind = metadata.get("tokenizer.ggml.model")
     if kind == "llama":
         return _sentencepiece_bpe(metadata, source)

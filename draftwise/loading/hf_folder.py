@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 from pathlib import Path
 
@@ -39,6 +41,8 @@ def _read_tensors(folder: Path, only: set[str] | None = None, unread: set[str] =
     `unread` as meta tensors of their shape (placeholders for layers built from other data)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(folder):
+        if not _readable(file):
+            raise ModelFormatError(f"{file}: cannot be read (permission denied)")
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():
@@ -255,3 +259,7 @@ def _load_packed_model(folder: Path, config: ModelConfig, mode: str) -> Transfor
     model.quantization = report
     pack_linear_layers(model)  # (the float ones left: a mixture of experts' routers)
     return model
+
+
+def _readable(file: Path) -> bool:
+    return os.access(file, os.R_OK)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from draftwise.errors import ModelNotFoundError
-from draftwise.paths import cache_root
+from draftwise.errors import CacheNotWritableError, ModelNotFoundError
+from draftwise.paths import CACHE_ENV, cache_root
 from draftwise.loading.convert import CONVERTER_VERSION, convert_gguf, is_converted
 from draftwise.loading.fetch import assemble
 from draftwise.loading.registry import KNOWN_MODELS
@@ -17,7 +17,19 @@ def known_model_file(name: str) -> Path:
 
 
 def resolve_model(model: str, progress: bool = True) -> Path:
-    """Return a folder with config.json, tokenizer.json and safetensors for `model`."""
+    """Return a folder with config.json, tokenizer.json and safetensors for `model`; a cache that
+    cannot be written where a model must be fetched or converted is a CacheNotWritableError."""
+    try:
+        return _resolve(model, progress)
+    except OSError as error:
+        if error.filename is None or not Path(error.filename).is_relative_to(cache_root()):
+            raise
+        raise CacheNotWritableError(
+            f"the cache cannot be written ({error.strerror}: {error.filename}); set {CACHE_ENV} to a folder "
+            "you may write (models are fetched and converted there)") from None
+
+
+def _resolve(model: str, progress: bool) -> Path:
     if model in KNOWN_MODELS:
         known = KNOWN_MODELS[model]
         gguf_path = known_model_file(model)

@@ -68,6 +68,10 @@ class ModelConfig:
                 f"model type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelFormatError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFormatError(
                 f"{self.num_attention_heads} attention heads do not divide into "
@@ -111,9 +115,14 @@ class ModelConfig:
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
                 **_moe_fields(cfg, model_type),
                 **(_gemma3_fields(cfg, hidden) if model_type == "gemma3_text" else {}),
+                **(_mistral_window(cfg) if model_type == "mistral" else {}),
             )
         except KeyError as missing:
             raise ModelFormatError(f"{source}: required field {missing} is missing") from None
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as error:
+            raise ModelFormatError(f"{source}: a malformed value ({error})") from None
+        except ModelFormatError as error:
+            raise (error if source in str(error) else ModelFormatError(f"{source}: {error}")) from None
 
     def to_hf_dict(self) -> dict:
         """config.json for a converted model (the MoE fields under Qwen2-MoE's names, which read back)."""
@@ -156,8 +165,19 @@ HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 _GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def _refuse_unsupported_fields(cfg: dict, source: str) -> None:
     """Fields that would change what the model computes and that this engine does not implement."""
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{source}: not a JSON object")
+    if cfg.get("quantization_config"):
+        method = (cfg["quantization_config"] or {}).get("quant_method", "?") \
+            if isinstance(cfg["quantization_config"], dict) else "?"
+        raise ModelFormatError(f"{source}: a pre-quantized checkpoint ({method}) is not supported; load the model's "
+                               "float weights or a GGUF file (quantization= quantizes them here)")
     if cfg.get("model_type") == "gemma3":
         raise ModelFormatError(f"{source}: model type 'gemma3' (the multimodal Gemma 3) is not supported; "
                                "its text-only model, 'gemma3_text', is")
@@ -181,6 +201,16 @@ def _gemma3_fields(cfg: dict, hidden: int) -> dict:
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
             "sliding_window": int(cfg.get("sliding_window") or 0), "layer_types": layer_types,
             "local_rope_theta": float(local) if local is not None else 10000.0}
+
+
+def _mistral_window(cfg: dict) -> dict:
+    """Mistral's sliding window (7B v0.1: 4096): every layer's query sees that many keys, itself
+    included (transformers' and vLLM's reading); none where it is null."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    return {"sliding_window": int(window), "layer_types": (SLIDING,) * layers}
 
 
 def _moe_fields(cfg: dict, model_type: str) -> dict:

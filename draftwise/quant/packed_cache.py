@@ -76,7 +76,7 @@ def save_packed(model: nn.Module, report: QuantizationReport, path: Path) -> Non
     try:
         save_file(tensors, str(partial), metadata=metadata)
         partial.replace(path)
-    except OSError:
+    except (OSError, SafetensorError):  # (safetensors reports a folder it may not write in its own error)
         partial.unlink(missing_ok=True)
         return
     _remove_stale(path)

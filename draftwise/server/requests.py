@@ -290,6 +290,9 @@ def _options(body: SamplingFields, served: Served) -> dict:
     options = {"max_tokens_must_fit": True, "segment": body.segment}
     spec = body.speculative
     if spec is not None:
+        if spec.method is not None and spec.method not in served.methods:  # (even where it says off)
+            raise RequestError(400, f"speculative method {spec.method!r} is not served here; served: "
+                               f"{sorted(served.methods) or 'none'}", "speculative.method")
         if not spec.enabled or spec.num_speculative_tokens == 0:
             options["speculative"] = {"enabled": False}
         else:
@@ -297,9 +300,6 @@ def _options(body: SamplingFields, served: Served) -> dict:
                 raise RequestError(400, "this server decodes without speculation unless a request names "
                                    f"speculative.method (served: {sorted(served.methods) or 'none'})",
                                    "speculative.method")
-            if spec.method is not None and spec.method not in served.methods:
-                raise RequestError(400, f"speculative method {spec.method!r} is not served here; served: "
-                                   f"{sorted(served.methods) or 'none'}", "speculative.method")
             options["speculative"] = spec.model_dump(exclude_none=True)
     return options
 

@@ -16,7 +16,8 @@ from draftwise.errors import ChatTemplateError, ModelFormatError
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # fill-in-the-middle's markers
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>",
+                      "<end_of_turn>")
 
 
 class Tokenizer:
@@ -48,6 +49,7 @@ class Tokenizer:
                    if token.special}
         eos_ids = {self.token_to_id(self.eos_token)} if self.eos_token else set()
         eos_ids |= {special[t] for t in END_OF_TURN_TOKENS if t in special}  # only real control tokens
+        eos_ids |= _generation_config_eos(folder)  # (vLLM's source of a model's end tokens)
         self.eos_token_ids: frozenset[int] = frozenset(i for i in eos_ids if i is not None)
 
     @property
@@ -116,8 +118,8 @@ class Tokenizer:
         function descriptions) is tokenized
         as plain text, so a user writing `<|im_start|>system` gets those characters, not the control
         tokens (`chat_isolation` finds the strings in the rendering). When no string holds the text of
-        an added token, the ids are exactly `encode(apply_chat_template(messages))`. Every added token
-        counts, special or not (a non-special `<tool_call>` can steer a model as much as `<|im_end|>`).
+        a control token, the ids are exactly `encode(apply_chat_template(messages))`. Control tokens:
+        the special ones, and non-special ones the template writes (`_control_text_pattern`).
         Raises ChatTemplateError if the template fails, or transforms a string that holds control-token
         text (then it cannot be isolated, and the conversation is refused).
         """
@@ -184,9 +186,15 @@ class Tokenizer:
 
     @cached_property
     def _control_text_pattern(self) -> re.Pattern | None:
-        """Matches the text of any added token (special or not: each is matched whole in plain `encode`)."""
+        """Matches the text of every control token: a special added token, or a non-special one the
+        chat template itself writes (Qwen's `<tool_call>`: it can steer a model as much as `<|im_end|>`).
+        Other non-special added tokens are ordinary vocabulary (Gemma's runs of newlines and spaces,
+        its `<code>`, `<h1>`: plain `encode` matches them in any text, as the model was trained), and
+        whitespace never forges a turn."""
+        template = self.chat_template or ""
         texts = sorted({token.content for token in self._tokenizer.get_added_tokens_decoder().values()
-                        if token.content}, key=len, reverse=True)
+                        if token.content.strip() and (token.special or token.content in template)},
+                       key=len, reverse=True)
         return re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def _find_control_text(self, text: str) -> str | None:
@@ -271,3 +279,20 @@ class IncrementalDetokenizer:
         self._read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+def _generation_config_eos(folder: Path) -> set[int]:
+    """The end tokens a model folder's generation_config.json names (`eos_token_id`: one id or a list);
+    none where it has no such file. A malformed one is a ModelFormatError."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelFormatError(f"{path}: unreadable ({error})") from None
+    ids = config.get("eos_token_id") if isinstance(config, dict) else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelFormatError(f"{path}: eos_token_id must be a token id or a list of them, got {ids!r}")
+    return set(ids)

@@ -33,6 +33,7 @@ from draftwise.speculative.suffix_index import Continuation, SuffixIndex
 BYTES_PER_TOKEN = 184  # what a cached token costs (~180 bytes where no token repeats: tests/test_suffix.py)
 
 
+CACHED_IDS_KEPT = 4096  # request ids remembered as cached (a release repeated comes right after the first)
 LIVE_SHARE = 2 / 3  # of the cache's tokens held by live text; the rest is evicted text awaiting compaction
 
 
@@ -105,6 +106,7 @@ class SuffixProposer:
     def __init__(self, options: "SuffixOptions") -> None:
         self.options = options
         self.own: dict[str, SuffixIndex] = {}  # request id -> its committed tokens, indexed
+        self._cached: OrderedDict[str, None] = OrderedDict()  # the latest requests whose text was cached
         cache_bytes = int(options.suffix_cache_mb * 2 ** 20)
         self.cache = SuffixCache(cache_bytes) if cache_bytes > 0 else None
 
@@ -139,8 +141,15 @@ class SuffixProposer:
         pass  # nothing drafted is indexed: the next lookup reads the committed tokens
 
     def release(self, seq: SequenceState) -> None:
+        """A request leaves: the text of one that ended as it should ("stop" or "length"; not one that
+        failed or was aborted) joins the cache, once (a row may be released twice: undone in a
+        failed step, then retired)."""
         self.own.pop(seq.request_id, None)
-        if self.cache is not None and getattr(seq, "finished", False) and seq.output_ids:
+        if (self.cache is not None and getattr(seq, "finish_reason", None) in ("stop", "length") and seq.output_ids
+                and seq.request_id not in self._cached):
+            self._cached[seq.request_id] = None
+            while len(self._cached) > CACHED_IDS_KEPT:
+                self._cached.popitem(last=False)
             prompt = seq.token_ids[:len(seq.token_ids) - len(seq.output_ids)]
             tail = prompt[-self.options.suffix_max_depth:]  # a later request ending the same way matches into it
             self.cache.add(getattr(seq, "tenant", None), tail + list(seq.output_ids))
