@@ -107,6 +107,15 @@ def test_what_the_head_does_not_compute_is_refused_by_name(tmp_path, overrides, 
         read_eagle(speculators_folder(tmp_path, random_head(), **overrides), 32, VOCAB, lambda: torch.arange(VOCAB))
 
 
+def test_a_head_whose_layer_scales_its_rotary_embedding_is_refused(tmp_path):
+    folder = speculators_folder(tmp_path, random_head())
+    config = json.loads((folder / "config.json").read_text())
+    config["transformer_layer_config"]["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidParameterError, match="rope_scaling \\(yarn\\) is not supported"):
+        read_eagle(folder, 32, VOCAB, lambda: torch.arange(VOCAB))
+
+
 def test_a_head_for_another_target_or_a_torn_file_is_refused(tmp_path):
     save_eagle(tmp_path, random_head(), VOCAB, {})
     with pytest.raises(InvalidParameterError, match="made for hidden size 32 and 100 tokens; this target has 64"):

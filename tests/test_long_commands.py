@@ -108,3 +108,15 @@ def test_bench_takes_the_flags_its_suite_reads(tmp_path, capsys):
     assert main(["bench", "--model", "no-such-model", "--output", str(tmp_path / "out"), "--suite", "speculative",
                  "--temperature", "0.7", "--dataset", "humaneval", "--in-process", "--draft", "x"]) != 0
     assert "not read by" not in capsys.readouterr().err
+
+
+def test_bench_refuses_a_dataset_line_with_its_own_max_tokens(tmp_path):
+    from draftwise.benchmark.datasets import load_prompts
+
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text(json.dumps({"prompt": "a", "segment": "x"}) + "\n"
+                       + json.dumps({"prompt": "b", "segment": "x", "max_tokens": 7}) + "\n")
+    with pytest.raises(InvalidParameterError, match="a line sets max_tokens 7, which the bench does not read"):
+        load_prompts(str(traffic), Characters(), per_category=4, max_tokens=64)
+    traffic.write_text(json.dumps({"prompt": "a", "segment": "x"}) + "\n")
+    assert load_prompts(str(traffic), Characters(), per_category=4, max_tokens=64) == [("x", "a")]

@@ -52,6 +52,11 @@ def load_prompts(dataset: str, tokenizer, *, per_category: int, all_turns: bool 
     from draftwise.traffic import read_traffic
 
     items = read_traffic(dataset, tokenizer, sample=10**9, max_tokens=max_tokens, seed=seed)
+    own = next((item for item in items if item.max_tokens != max_tokens), None)
+    if own is not None:  # (every prompt of a run shares one SamplingParams: a line's own would be ignored)
+        raise InvalidParameterError(
+            f"{dataset}: a line sets max_tokens {own.max_tokens}, which the bench does not read (every prompt runs "
+            f"to --max-tokens, here {max_tokens}); remove it from the file (`draftwise plan` reads it)")
     return _first_per_category([(item.segment or "all", item.prompt) for item in items], per_category)
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.speculative.heads.eagle3 import Eagle3Head, Eagle3Shape
+from draftwise.speculative.heads.eagle_format import refuse_rope_scaling
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -120,11 +121,7 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
     for option in UNSUPPORTED_OPTIONS:
         if config.get(option):
             raise InvalidParameterError(f"{folder}: {option}=true is not supported by draftwise's EAGLE-3 head")
-    for option in ("rope_scaling", "rope_parameters"):
-        scaling = layer_config.get(option)
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise InvalidParameterError(f"{folder}: the head's {option} ({scaling.get('rope_type', scaling.get('type'))}) "
-                                        "is not supported: draftwise's head uses plain rotary embedding")
+    refuse_rope_scaling(folder, layer_config)
     if layer_config.get("num_hidden_layers", 1) != 1:
         raise InvalidParameterError(f"{folder}: an EAGLE-3 head of {layer_config['num_hidden_layers']!r} layers; "
                                     "draftwise serves one-layer heads")

@@ -144,8 +144,19 @@ def _from_speculators(folder: Path, config: dict, tensors: dict) -> tuple[dict, 
     return layer_config, renamed
 
 
+def refuse_rope_scaling(folder: Path, layer_config: dict) -> None:
+    """A head whose layer scales its rotary embedding is refused: draftwise's heads use plain RoPE
+    (its positions would be rotated otherwise than it was trained with)."""
+    for option in ("rope_scaling", "rope_parameters"):
+        scaling = layer_config.get(option)
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise InvalidParameterError(f"{folder}: the head's {option} ({scaling.get('rope_type', scaling.get('type'))}) "
+                                        "is not supported: draftwise's head uses plain rotary embedding")
+
+
 def _shape(folder: Path, config: dict, has_qkv_bias: bool) -> EagleShape:
     """The layer's shape; query/key/value biases where the file has them (a Qwen2 config names none)."""
+    refuse_rope_scaling(folder, config)
     try:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
