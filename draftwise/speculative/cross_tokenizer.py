@@ -8,11 +8,11 @@ text and encoded in the target's vocabulary. That encoding must begin with those
 (a safe boundary: the drafted text did not merge into them); what follows, but its last token
 (which more text could still change), is the draft.
 
-What the draft model reads is bounded: the text from a start point (an index into the committed
-target tokens) that stays put while the encoding fits, so the draft cache keeps its prefix; where
-the encoding would hold more draft tokens than the request's target tokens (the draft's cache is
-sized by the target's), its context (`context_window`: from W target tokens past it), the start
-moves up to the last W tokens (halved again until the encoding fits).
+What the draft model reads is bounded. It reads the text from a start point (an index into the
+committed target tokens) that stays put while it can, so the draft cache keeps its prefix. The start
+moves up to the last W = `context_window` tokens once the text since it is 2W tokens long, or where
+its encoding would hold more draft tokens than the request has target tokens (the draft's cache is
+sized by the target's), W halved until the encoding fits.
 
 Lossless for every request: the draft is a point mass the target verifies (greedy and seeded rows
 by equality with the target's own token; sampled rows by rejection sampling, which accepts a point
