@@ -52,3 +52,39 @@ def test_the_optimizer_is_fused(monkeypatch):
     monkeypatch.setattr(torch.optim, "AdamW", lambda *args, **kwargs: made.append(kwargs) or adamw(*args, **kwargs))
     run(False)
     assert made and made[0].get("fused") is True
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_run_does(tmp_path):
+    """Interrupted after its first epoch and resumed, a run shuffles its later epochs as it would have
+    (it shuffled them from the seed again) and ends with the same weights."""
+
+    def trained(checkpoint, stop_after: int | None = None) -> torch.Tensor:
+        torch.manual_seed(0)
+        head = nn.Linear(8, 8)
+        calls = []
+
+        def loss(example: Example) -> torch.Tensor:
+            calls.append(1)
+            if stop_after is not None and len(calls) > stop_after:
+                raise KeyboardInterrupt
+            return (head(example.hidden[:-1]) - example.hidden[1:]).pow(2).mean()
+
+        train_epochs(head, examples(12), examples(2), TrainSettings(epochs=3, batch_size=8, bf16=False,
+                                                                     learning_rate=1e-2),
+                     loss, lambda: [0.0], checkpoint=checkpoint, progress=False)
+        return head.weight.detach().clone()
+
+    whole = trained(tmp_path / "whole.pt")
+    with pytest.raises(KeyboardInterrupt):
+        trained(tmp_path / "resumed.pt", stop_after=12 + 3)  # (in the second epoch)
+    torch.testing.assert_close(trained(tmp_path / "resumed.pt"), whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("field, value", [("learning_rate", 0.0), ("learning_rate", float("nan")),
+                                          ("heldout_share", 1.0), ("heldout_share", -0.1), ("epochs", 0),
+                                          ("batch_size", True), ("weight_decay", -1.0), ("head_width", 0)])
+def test_bad_training_settings_are_refused_by_name(field, value):
+    from draftwise.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match=field):
+        TrainSettings(**{field: value})

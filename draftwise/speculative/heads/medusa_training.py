@@ -63,6 +63,8 @@ def train_medusa(heads: MedusaHeads, lm_rows: torch.Tensor, examples: list[Examp
     checkpointed = Checkpoint(checkpoint, heads, optimizer, schedule)
     first_epoch = checkpointed.resume(result)
     generator = torch.Generator().manual_seed(settings.seed)
+    for _ in range(first_epoch):  # (a resumed run shuffles its epochs as the uninterrupted run would)
+        torch.randperm(len(train_x), generator=generator)
     for epoch in range(first_epoch, settings.epochs):
         heads.train()
         permutation = torch.randperm(len(train_x), generator=generator)

@@ -44,6 +44,20 @@ class TrainSettings:
     # whether a long run learns as well is not yet compared, so float32 stays the default.
     bf16: bool | None = False
 
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "epochs", "batch_size", "kept_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.learning_rate, (int, float)) and 0 < self.learning_rate < float("inf")):
+            raise InvalidParameterError(f"learning_rate must be a positive number, got {self.learning_rate!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < float("inf")):
+            raise InvalidParameterError(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
+        if not (isinstance(self.heldout_share, (int, float)) and 0 <= self.heldout_share < 1):
+            raise InvalidParameterError(f"heldout_share must be in [0, 1), got {self.heldout_share!r}")
+        if self.head_width is not None and (not isinstance(self.head_width, int) or self.head_width < 1):
+            raise InvalidParameterError(f"head_width must be a positive integer, got {self.head_width!r}")
+
 
 @dataclass(slots=True)
 class EpochReport:
@@ -164,6 +178,8 @@ def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], 
     checkpointed = Checkpoint(checkpoint, head, optimizer, schedule)
     first_epoch = checkpointed.resume(result)
     generator = torch.Generator().manual_seed(settings.seed)
+    for _ in range(first_epoch):  # (a resumed run shuffles its epochs as the uninterrupted run would)
+        torch.randperm(len(groups), generator=generator)
     for epoch in range(first_epoch, settings.epochs):
         head.train()
         shuffled = [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
