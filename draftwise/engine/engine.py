@@ -95,6 +95,13 @@ class Engine:
             self._run(step.seqs, step.is_prefill)
         except Exception as error:
             self._isolate(step.seqs, step.is_prefill, error)
+        except BaseException:  # (Ctrl-C inside the step: every row back to where it was between steps)
+            for seq in step.seqs:
+                self._undo(seq)
+            for seq in step.seqs:
+                if seq.finished:
+                    self._retire(seq)
+            raise
         for seq in step.seqs:
             if seq.finished:
                 self._retire(seq)

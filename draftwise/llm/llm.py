@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from draftwise.llm.host_memory import release_freed_memory
 from draftwise.llm.kernel_builds import start_kernel_builds
 from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.samples import gathered, per_sample, sample_count
-from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_prompt_ids,
-                                    prompt_parts, request_speculation)
+from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_messages,
+                                    check_prompt_ids, prompt_parts, request_speculation)
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
@@ -132,6 +133,10 @@ class LLM:
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)  # structured outputs
         self.timing_listeners: list = []  # callables taking every engine step's `StepTiming` (any engine)
         self.threads = governor_for(self.runner, adaptive_threads)  # kept across changes of drafter
+        # One engine operation at a time (a step, adding or aborting a request): generate, stream and
+        # the step API may be called from several threads, each call's requests advancing in the
+        # steps any of them runs.
+        self._lock = threading.RLock()
         self._install(config)
         release_freed_memory()  # what loading read and let go
         self._request_ids = itertools.count()
@@ -140,12 +145,14 @@ class LLM:
 
     # --- speculation ------------------------------------------------------------------------
     def set_speculative(self, speculative: SpeculativeConfig | dict | None, progress: bool = True) -> None:
-        """Switch speculation (None: off) without reloading the target; resets `spec_metrics`."""
-        if self.engine.has_unfinished():
-            raise InvalidParameterError("cannot change speculation while requests are running")
-        config = SpeculativeConfig.from_value(speculative)
-        self._check_drafter(config, progress)
-        self._install(config)
+        """Switch speculation (None: off) without reloading the target; resets `spec_metrics`. A
+        config that cannot be built raises and leaves the current one in place."""
+        with self._lock:
+            if self.engine.has_unfinished():
+                raise InvalidParameterError("cannot change speculation while requests are running")
+            config = SpeculativeConfig.from_value(speculative)
+            self._check_drafter(config, progress)
+            self._install(config)
         release_freed_memory()  # the drafter replaced, and what building this one read and let go
 
     def check_speculative(self, speculative: SpeculativeConfig | dict | None) -> None:
@@ -158,15 +165,16 @@ class LLM:
             config.spec.check(config.options, self.tokenizer, self.model_name, progress)
 
     def _install(self, config: SpeculativeConfig | None) -> None:
-        self.speculative = config
-        self.cost_model: CostModel | None = None
-        self.engine = Engine(self.runner, max_num_seqs=self.max_num_seqs,
-                             default_method=config.method if config is not None else None, threads=self.threads)
-        self.engine.timing_listeners = self.timing_listeners  # shared: they outlive a change of drafter
-        if config is not None:
-            drafter = build_drafter(config, self.target)
-            self.engine.add_drafter(config.method, drafter)
-            self.cost_model = drafter.costs
+        """The engine for `config`: its drafter built first, so that a build that fails leaves the
+        LLM as it was (the old drafter stays, speculating as before)."""
+        drafter = build_drafter(config, self.target) if config is not None else None
+        engine = Engine(self.runner, max_num_seqs=self.max_num_seqs,
+                        default_method=config.method if config is not None else None, threads=self.threads)
+        engine.timing_listeners = self.timing_listeners  # shared: they outlive a change of drafter
+        if drafter is not None:
+            engine.add_drafter(config.method, drafter)
+        self.speculative, self.engine = config, engine
+        self.cost_model: CostModel | None = drafter.costs if drafter is not None else None
         self.spec_metrics = SpecMetrics()  # totals over every finished request
 
     @contextmanager
@@ -197,13 +205,14 @@ class LLM:
         """Build the drafter that requests naming `method` use (with these of its options, else its
         defaults), if not built yet; the server does this at start-up so that no request waits for
         a build."""
-        if method not in self.engine.drafters:
-            config = SpeculativeConfig.from_value({**(options or {}), "method": method})
-            if not config.spec.per_request:
-                raise InvalidParameterError(
-                    f"method {method!r} loads a model of its own: build the LLM (or start the server) with "
-                    f"speculative={{'method': {method!r}, ...}}")
-            self.engine.add_drafter(method, build_drafter(config, self.target))
+        with self._lock:
+            if method not in self.engine.drafters:
+                config = SpeculativeConfig.from_value({**(options or {}), "method": method})
+                if not config.spec.per_request:
+                    raise InvalidParameterError(
+                        f"method {method!r} loads a model of its own: build the LLM (or start the server) with "
+                        f"speculative={{'method': {method!r}, ...}}")
+                self.engine.add_drafter(method, build_drafter(config, self.target))
 
     @property
     def default_method(self) -> str | None:
@@ -280,17 +289,19 @@ class LLM:
         groups = [self._sequences(prompt_list, i, params, segment)  # (validate all first)
                   for i, params in enumerate(params_list)]
         sequences = [seq for group in groups for seq in group]
-        for seq in sequences:
-            self.engine.check(seq)
-        for seq in sequences:
-            self.engine.add(seq)
+        with self._lock:
+            for seq in sequences:
+                self.engine.check(seq)
+            for seq in sequences:
+                self.engine.add(seq)
         try:
             while any(not seq.finished for seq in sequences):
-                self.engine.step()
+                self._step()
         finally:
-            for seq in sequences:
-                if not seq.finished:
-                    self.engine.abort(seq)
+            with self._lock:
+                for seq in sequences:
+                    if not seq.finished:
+                        self.engine.abort(seq)
         for seq in sequences:
             self.spec_metrics.merge(seq.metrics.spec)
         return [gathered([seq.output() for seq in group], params) for group, params in zip(groups, params_list)]
@@ -299,7 +310,16 @@ class LLM:
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         Message text is tokenized as text: control tokens come only from the template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
+            conversations = messages
+        else:
+            raise InvalidParameterError("messages must be a conversation (a non-empty list of {'role': ..., "
+                                        "'content': ...} dicts) or a list of them, got "
+                                        f"{type(messages).__name__}" + (" (empty)" if messages == [] else ""))
+        for c, conversation in enumerate(conversations):
+            check_messages(conversation, f"messages[{c}]" if len(conversations) > 1 else "messages")
         return self.generate([self.chat_prompt(conversation) for conversation in conversations], sampling_params)
 
     def chat_prompt(self, messages: list[dict]) -> TokensPrompt:
@@ -312,19 +332,27 @@ class LLM:
         """Yield text as it is produced; the last delta carries the full output (a failed request's
         last delta has finish_reason "error" and the output's `error` says why)."""
         seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True))
-        self.engine.check(seq)
-        self.engine.add(seq)
+        with self._lock:
+            self.engine.check(seq)
+            self.engine.add(seq)
         try:
-            while not seq.finished:
-                self.engine.step()
+            done = False
+            while not done:
+                if not seq.finished:  # (another call's steps may have run it to its end)
+                    self._step()
+                done = seq.finished
                 delta = seq.take_text_delta()
-                if delta or seq.finished:
-                    yield StreamDelta(delta, list(seq.output_ids), seq.finish_reason,
-                                      seq.output() if seq.finished else None)
+                if delta or done:
+                    yield StreamDelta(delta, list(seq.output_ids), seq.finish_reason, seq.output() if done else None)
         finally:
             if not seq.finished:
-                self.engine.abort(seq)
+                with self._lock:
+                    self.engine.abort(seq)
             self.spec_metrics.merge(seq.metrics.spec)
+
+    def _step(self) -> list[Sequence]:
+        with self._lock:
+            return self.engine.step()
 
     # --- continuous batching: requests join and leave between steps ------------------------
     def add_request(self, prompt: str | TokensPrompt, sampling_params: SamplingParams | None = None, *,
@@ -341,15 +369,20 @@ class LLM:
         seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True), segment)
         if max_tokens_must_fit:
             check_max_tokens_fit(len(seq.prompt_token_ids), seq.params.max_tokens, self.max_model_len)
-        seq.method, seq.max_draft_tokens = request_speculation(speculative, self.engine.default_method,
-                                                               self.prepare_drafter)
-        self.engine.add(seq)
-        self._live[seq.request_id] = seq
-        self._reported[seq.request_id] = 0
+        with self._lock:
+            seq.method, seq.max_draft_tokens = request_speculation(speculative, self.engine.default_method,
+                                                                   self.prepare_drafter)
+            self.engine.add(seq)
+            self._live[seq.request_id] = seq
+            self._reported[seq.request_id] = 0
         return seq.request_id
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; outputs (so far) of the requests that received tokens in it."""
+        with self._lock:
+            return self._step_outputs()
+
+    def _step_outputs(self) -> list[RequestOutput]:
         stepped = {seq.request_id for seq in self.engine.step()}
         outputs = []
         for request_id, seq in list(self._live.items()):
@@ -403,7 +436,8 @@ class LLM:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now, freeing its KV blocks (unknown or finished ids are ignored)."""
-        seq = self._live.get(request_id)
-        if seq is not None:
-            self.engine.abort(seq)
-            self._forget(request_id)
+        with self._lock:
+            seq = self._live.get(request_id)
+            if seq is not None:
+                self.engine.abort(seq)
+                self._forget(request_id)

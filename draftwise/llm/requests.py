@@ -84,6 +84,8 @@ def request_speculation(speculative: dict | None, default_method: str | None,
     k = speculative.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
         raise InvalidParameterError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
+    if not isinstance(speculative.get("enabled", True), bool):
+        raise InvalidParameterError(f"speculative.enabled must be true or false, got {speculative['enabled']!r}")
     if speculative.get("enabled", True) is False or k == 0:
         return None, None
     method = speculative.get("method") or default_method
@@ -91,3 +93,23 @@ def request_speculation(speculative: dict | None, default_method: str | None,
         raise InvalidParameterError("speculation is off for this LLM: name a method")
     prepare_drafter(method)
     return method, k
+
+
+def check_messages(conversation: list, where: str) -> None:
+    """A chat conversation's messages as chat templates read them: each a dict with a string `role`
+    and a `content` that is text or a list of parts (None or absent only beside `tool_calls`)."""
+    if not conversation:
+        raise InvalidParameterError(f"{where} is empty: a conversation has at least one message")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise InvalidParameterError(f"{where}[{i}] must be a {{'role': ..., 'content': ...}} dict, "
+                                        f"got {type(message).__name__}")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise InvalidParameterError(f"{where}[{i}].role must be a non-empty string, got {message.get('role')!r}")
+        content = message.get("content")
+        if content is None and not message.get("tool_calls"):
+            raise InvalidParameterError(f"{where}[{i}].content is missing (only a message with tool_calls "
+                                        "may have none)")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidParameterError(f"{where}[{i}].content must be text or a list of parts, "
+                                        f"got {type(content).__name__}")
