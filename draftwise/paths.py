@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from draftwise.errors import CacheNotWritableError
+
 CACHE_ENV = "DRAFTWISE_CACHE"
 
 
 def cache_root() -> Path:
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "draftwise"
-    return Path(root).expanduser()
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "draftwise").expanduser()
+    if root.exists() and not root.is_dir():
+        raise CacheNotWritableError(f"the cache {root} is a file, not a folder: set {CACHE_ENV} to a folder")
+    return root

@@ -14,7 +14,8 @@ ROOT = Path(draftwise.__file__).parent
 
 # Bottom to top; a package may import packages of lower layers only.
 LAYERS = [
-    {"errors", "paths", "stats", "plots"},
+    {"errors"},
+    {"paths", "stats", "plots"},
     {"native"},
     {"sampling", "text", "traffic", "output_paths"},
     {"structured"},

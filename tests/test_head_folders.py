@@ -58,8 +58,10 @@ def test_a_checkpoint_of_another_head_is_named(tmp_path):
 def test_an_unwritable_out_is_refused_before_the_target_loads(tiny_qwen, tmp_path):
     taken = tmp_path / "a-file"
     taken.write_text("x")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
     with pytest.raises(InvalidParameterError, match="--out .*a-file: exists and is not a folder"):
-        train_head(str(tiny_qwen), "medusa", str(tmp_path / "no-data.jsonl"), taken, progress=False)
+        train_head(str(tiny_qwen), "medusa", str(data), taken, progress=False)
 
 
 def test_distilled_answers_are_keyed_by_the_weights(tiny_qwen, tmp_path):

@@ -120,3 +120,40 @@ def test_bench_refuses_a_dataset_line_with_its_own_max_tokens(tmp_path):
         load_prompts(str(traffic), Characters(), per_category=4, max_tokens=64)
     traffic.write_text(json.dumps({"prompt": "a", "segment": "x"}) + "\n")
     assert load_prompts(str(traffic), Characters(), per_category=4, max_tokens=64) == [("x", "a")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["divergence", "--text", ""], "--text is empty"),
+    (["divergence", "--window", "100"], "--window 100 is more than the 48 tokens fed"),
+    (["divergence", "--tokens", "100000"], "--tokens 100000 is more than this model's"),
+    (["profile", "--live", "-5"], "--live must be a number of tokens >= 0"),
+    (["profile", "--method", "ngram", "--fixed-k"], "--fixed-k: not read by profile"),
+    (["generate", "--method", "ngram", "--draft-probability", "0.5", "hi"], "--draft-probability applies to sampled"),
+    (["train-head", "--kind", "medusa", "--data", "{folder}", "--head-width", "7"], "--head-width: not read when"),
+    (["train-head", "--kind", "medusa", "--data", "{folder}"], "a folder, not a JSONL file"),
+])
+def test_command_flags_that_would_change_nothing_or_fail_late_are_refused_up_front(tiny_qwen, tmp_path, capsys,
+                                                                                   argv, message):
+    argv = [a.replace("{folder}", str(tmp_path)) for a in argv]
+    model = ["--target" if argv[0] == "train-head" else "--model", str(tiny_qwen)]
+    out = ["--out", str(tmp_path / "head")] if argv[0] == "train-head" else []
+    assert main([argv[0], *model, *argv[1:], *out]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "head").exists()  # (nothing left behind)
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(f"{sys.executable} -m draftwise models | head -c 10", shell=True, capture_output=True,
+                          text=True, timeout=120)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
+
+
+def test_a_cache_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    monkeypatch.setenv("DRAFTWISE_CACHE", str(taken))
+    assert main(["models"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

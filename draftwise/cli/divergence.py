@@ -32,9 +32,23 @@ def run(args: argparse.Namespace) -> None:
 
     if args.window < 2 or args.tokens < 1:
         raise InvalidParameterError("--window must be at least 2 and --tokens positive")
+    if args.window > args.tokens:
+        raise InvalidParameterError(f"--window {args.window} is more than the {args.tokens} tokens fed (--tokens): "
+                                    "no pass would hold that many")
+    if not args.text:
+        raise InvalidParameterError("--text is empty: give the text whose tokens are fed")
+    from draftwise.loading.hf_folder import read_config
+    from draftwise.loading.resolve import resolve_model
+
+    positions = read_config(resolve_model(args.model)).max_position_embeddings
+    if args.tokens + 2 > positions:
+        raise InvalidParameterError(f"--tokens {args.tokens} is more than this model's {positions} positions hold "
+                                    f"(at most {positions - 2})")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              load_format=args.load_format, max_num_seqs=2, max_model_len=max(args.tokens + 2, 16))
+              load_format=args.load_format, max_num_seqs=2, max_model_len=max(args.tokens + 2, min(16, positions)))
     ids = llm.tokenizer.encode(args.text)
+    if not ids:
+        raise InvalidParameterError("--text has no tokens")
     ids = (ids * (args.tokens // max(1, len(ids)) + 2))[:args.tokens + 1]
     found = first_divergence(llm.runner, ids, args.window)
     where = f"{llm.device}, {str(llm.dtype).removeprefix('torch.')}, {llm.model.quantization.mode}"

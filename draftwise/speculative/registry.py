@@ -66,6 +66,9 @@ class DrafterSpec:
     # The target layers (0-based) whose residual streams, after them, its training reads beside the
     # last normed one: (target model config) -> layers. Captured while the target answers (`Example.aux`).
     train_layers: Callable[[Any], tuple[int, ...]] | None = None
+    # The `TrainSettings` fields its training reads beyond the shared ones (epochs, learning rate,
+    # batch size, held-out share, kept tokens, heads): `train-head` refuses the others when given.
+    train_reads: frozenset[str] = frozenset()
 
     def parse_options(self, values: dict | Any | None) -> Any:
         """The drafter's options from a dict (unknown names refused), an instance, or None (defaults)."""

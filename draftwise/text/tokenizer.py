@@ -177,7 +177,7 @@ class Tokenizer:
         if self._chat_template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template (none in chat_template.jinja, tokenizer_config.json "
-                "or the GGUF metadata); use generate() with plain text")
+                "or the GGUF metadata); send plain text (generate(), or the CLI without --chat)")
         return self._chat_template
 
     @cached_property

@@ -31,6 +31,14 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
         raise InvalidParameterError("sample, max_tokens, kept_tokens, num_heads, epochs and batch_size must be positive")
     if settings.head_width is not None and settings.head_width < 1:
         raise InvalidParameterError(f"head_width must be positive, got {settings.head_width}")
+    unread = [flag for field, flag, default in (("head_width", "--head-width", None), ("bf16", "--precision", False))
+              if getattr(settings, field) != default and field not in specs[kind].train_reads]
+    if unread:
+        raise InvalidParameterError(f"{', '.join(unread)}: not read when training a {kind} head")
+    data_path = Path(data)
+    if not data_path.is_file():  # (before the target loads: on a fresh machine that is a download)
+        raise InvalidParameterError(f"--data {data}: " + ("a folder, not a JSONL file of prompts" if data_path.is_dir()
+                                                          else "no such file"))
     folder = output_folder(Path(out) if out is not None else default_folder(kind, target), "--out")  # (before the work)
     llm = LLM(target, max_num_seqs=CHUNK, progress=progress, **model_keywords)  # a chunk of prompts answered as a batch
     items = read_traffic(data, llm.tokenizer, sample=sample, max_tokens=max_tokens)

@@ -96,4 +96,5 @@ def train_eagle_head(model, tokenizer, target_name: str, examples: list[Example]
 
 
 register(DrafterSpec(KIND, "one decoder layer on the target's features, drafting on its own (draftwise train-head)",
-                     EagleOptions, build_eagle, benchmark_by_default=False, train=train_eagle_head))
+                     EagleOptions, build_eagle, benchmark_by_default=False, train=train_eagle_head,
+                     train_reads=frozenset({"head_width", "bf16"})))
