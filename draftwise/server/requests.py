@@ -19,7 +19,7 @@ from draftwise.sampling.structured_params import StructuredOutputsParams
 from draftwise.server import DEFAULT_MAX_REQUEST_BYTES
 from draftwise.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from draftwise.server.structured import StructuredRequestError, requested_structure
-from draftwise.server.tools import ToolPlan, ToolRequestError, assistant_calls, plan_tools
+from draftwise.server.tools import ToolRequestError, assistant_calls, plan_tools
 
 LATER = {         "functions": "the deprecated functions / function_call fields are not served; use tools and tool_choice",
          "openai": "a feature of OpenAI's hosted models that this server does not have"}
