@@ -118,14 +118,19 @@ class SuffixProposer:
         options = self.options
         context = seq.token_ids
         own = self._own_index(seq, context)
-        found = own.lookup(context, k, options.suffix_max_depth, options.suffix_min_probability,
-                           options.suffix_max_branches)
+        found = self._within_factor(own.lookup(context, k, options.suffix_max_depth, options.suffix_min_probability,
+                                               options.suffix_max_branches))
         if self.cache is not None:
-            shared = self.cache.lookup(getattr(seq, "tenant", None), context, k, options.suffix_max_depth,
-                                       options.suffix_min_probability, options.suffix_max_branches)
-            if _promise(shared) > _promise(found):
+            shared = self._within_factor(self.cache.lookup(
+                getattr(seq, "tenant", None), context, k, options.suffix_max_depth, options.suffix_min_probability,
+                options.suffix_max_branches))
+            if _promise(shared) > _promise(found):  # (each as it would be drafted: cut to its factor first)
                 found = shared
-        limit = max(1, int(options.suffix_max_spec_factor * found.match_length))  # best first: parents stay
+        return found
+
+    def _within_factor(self, found: Continuation) -> Continuation:
+        """The continuation cut to suffix_max_spec_factor x its match length (best first: parents stay)."""
+        limit = max(1, int(self.options.suffix_max_spec_factor * found.match_length))
         found.token_ids, found.parents = found.token_ids[:limit], found.parents[:limit]
         found.probabilities = found.probabilities[:limit]
         return found
