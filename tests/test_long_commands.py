@@ -131,6 +131,8 @@ def test_bench_refuses_a_dataset_line_with_its_own_max_tokens(tmp_path):
     (["generate", "--method", "ngram", "--draft-probability", "0.5", "hi"], "--draft-probability applies to sampled"),
     (["train-head", "--kind", "medusa", "--data", "{folder}", "--head-width", "7"], "--head-width: not read when"),
     (["train-head", "--kind", "medusa", "--data", "{folder}"], "a folder, not a JSONL file"),
+    (["train-head", "--kind", "medusa", "--data", "{folder}", "--sample", "0"], "sample and max_tokens must be positive"),
+    (["train-head", "--kind", "medusa", "--data", "{folder}", "--epochs", "0"], "epochs must be a positive integer"),
 ])
 def test_command_flags_that_would_change_nothing_or_fail_late_are_refused_up_front(tiny_qwen, tmp_path, capsys,
                                                                                    argv, message):

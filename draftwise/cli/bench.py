@@ -67,7 +67,8 @@ def add_parser(commands) -> None:
     bench.add_argument("--section", default=None,
                        help="that section's name: replaced if present, else appended (default: suite-SUITE)")
     add_option_arguments(bench)
-    bench.set_defaults(run=run)
+    defaults = {action.dest: action.default for action in bench._actions if action.dest != "help"}
+    bench.set_defaults(run=run, flag_defaults=defaults)  # (read by _refuse_unread: what a user did not change)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
 
 # flag dest -> the setting it sets, where the names differ
 _SETTING_OF = {"dataset": "datasets", "in_process": "isolation"}
-_NOT_SETTINGS = {"suite", "model", "output", "write_benchmarks", "section", "run", "argv"}
+_NOT_SETTINGS = {"suite", "model", "output", "write_benchmarks", "section", "run", "argv", "flag_defaults"}
 
 
 def _refuse_unread(args: argparse.Namespace) -> None:
@@ -129,7 +130,7 @@ def _refuse_unread(args: argparse.Namespace) -> None:
     from draftwise.cli.speculative_flags import given_options, option_flags
 
     option_dests = {flag.dest for flag in option_flags()}
-    parser_defaults = _defaults()
+    parser_defaults = args.flag_defaults
     given = [dest for dest, value in vars(args).items()
              if dest not in _NOT_SETTINGS and dest not in option_dests and dest in parser_defaults
              and value != parser_defaults[dest]]
@@ -139,14 +140,6 @@ def _refuse_unread(args: argparse.Namespace) -> None:
     if unread:
         flags = ", ".join(unread)
         raise InvalidParameterError(f"{flags}: not read by the {args.suite} suite (it would change nothing)")
-
-
-def _defaults() -> dict[str, object]:
-    """The bench flags' defaults, by dest."""
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    bench = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices["bench"]
-    return {action.dest: action.default for action in bench._actions if action.dest != "help"}
 
 
 def _levels(text: str | None) -> tuple[int, ...] | None:

@@ -108,15 +108,17 @@ class DeadPositions:
     def __init__(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """logits [B, K+1, V], masked and processed."""
         self.rows = [b for b, seq in enumerate(batch) if seq.grammar is not None]
-        self._first: torch.Tensor | list[int] = []
+        self._first: torch.Tensor | None = None
+        self._first_of_row: dict[int, int] | None = None
         if self.rows:
             none_left = (logits[self.rows] == float("-inf")).all(-1)  # [R, K+1]
             self._first = torch.where(none_left.any(-1), none_left.int().argmax(-1), -1)  # [R], -1: none
 
     def get(self, row: int) -> int | None:
-        if isinstance(self._first, torch.Tensor):
-            self._first = self._first.tolist()
-        position = dict(zip(self.rows, self._first)).get(row, -1)
+        if self._first_of_row is None:
+            firsts = self._first.tolist() if self._first is not None else []
+            self._first_of_row = dict(zip(self.rows, firsts))
+        position = self._first_of_row.get(row, -1)
         return position if position >= 0 else None
 
 

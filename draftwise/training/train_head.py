@@ -27,10 +27,8 @@ def train_head(target: str, kind: str, data: str, out: Path | None = None, *, se
     if kind not in specs:
         raise InvalidParameterError(f"--kind {kind!r} cannot be trained; heads that can: {', '.join(specs)}")
     settings = settings or TrainSettings()
-    if min(sample, max_tokens, settings.kept_tokens, settings.num_heads, settings.epochs, settings.batch_size) < 1:
-        raise InvalidParameterError("sample, max_tokens, kept_tokens, num_heads, epochs and batch_size must be positive")
-    if settings.head_width is not None and settings.head_width < 1:
-        raise InvalidParameterError(f"head_width must be positive, got {settings.head_width}")
+    if min(sample, max_tokens) < 1:  # (the settings check their own values: TrainSettings.__post_init__)
+        raise InvalidParameterError(f"sample and max_tokens must be positive, got {sample} and {max_tokens}")
     unread = [flag for field, flag, default in (("head_width", "--head-width", None), ("bf16", "--precision", False))
               if getattr(settings, field) != default and field not in specs[kind].train_reads]
     if unread:
