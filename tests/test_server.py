@@ -137,6 +137,34 @@ def test_api_key_guards_everything_but_health(tiny_qwen):
         live.stop()
 
 
+def test_each_api_key_is_a_tenant_whose_text_drafts_only_its_own_requests(tiny_qwen):
+    from draftwise.server.security import tenant_of
+
+    llm = served_llm(tiny_qwen)
+    live = LiveServer(llm, MODEL, ServerOptions(api_key=("alpha", "beta")))
+    prompt, extra = "count: one two three", {"speculative": {"method": "suffix", "num_speculative_tokens": 6},
+                                             "ignore_eos": True}
+    try:
+        live.client("alpha").completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
+        again = live.client("alpha").completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
+        live.client("beta").completions.create(model=MODEL, prompt="other words", **GREEDY, extra_body=extra)
+        with pytest.raises(openai.AuthenticationError):
+            live.client("gamma").completions.create(model=MODEL, prompt="hi", **GREEDY)
+    finally:
+        live.stop()
+    speculation = again.usage.speculation  # (alpha's second request drafted from alpha's first)
+    assert speculation["num_draft_tokens"] >= 12 and speculation["num_accepted_tokens"] == speculation["num_draft_tokens"]
+    cache = llm.engine.drafters["suffix"].proposer.cache
+    assert set(cache.partitions) == {tenant_of(b"alpha"), tenant_of(b"beta")}  # (each key's text apart; no key's)
+
+
+def test_an_empty_api_key_is_refused_by_name():
+    from draftwise.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="api_key: an API key must be a non-empty string"):
+        ServerOptions(api_key=("alpha", " "))
+
+
 @pytest.mark.parametrize("body, status, message", [
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "context"),

@@ -220,7 +220,7 @@ def test_only_requests_that_ended_as_they_should_join_the_cache_and_each_once():
     proposer = SuffixProposer(SuffixOptions())
 
     def request(request_id, reason):
-        return SimpleNamespace(request_id=request_id, finish_reason=reason, token_ids=[1, 2, 3, 4, 5, 6],
+        return SimpleNamespace(request_id=request_id, finish_reason=reason, tenant=None, token_ids=[1, 2, 3, 4, 5, 6],
                                output_ids=[4, 5, 6])
 
     for request_id, reason in (("failed", "error"), ("aborted", "abort"), ("running", None)):

@@ -20,8 +20,9 @@ def add_parser(commands) -> None:
     add_model_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' on all but /health (or set {API_KEY_ENV})")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on all but /health (or set {API_KEY_ENV}); "
+                            "repeat it for several keys: each is a tenant, whose text never shapes another's drafts")
     serve.add_argument("--allowed-hosts", default=None,
                        help="comma-separated Host names answered (default: loopback names when bound to loopback, "
                             "else any; '*': any)")
@@ -106,7 +107,7 @@ def build_server(args: argparse.Namespace, announce: bool = True):
     hosts = (frozenset(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
              else default_allowed_hosts(args.host))
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
-    options = ServerOptions(args.api_key or os.environ.get(API_KEY_ENV) or None, hosts, origins,
+    options = ServerOptions(_api_keys(args), hosts, origins,
                             ServerLimits(max_request_bytes=args.max_request_bytes), args.drain_timeout)
     engine = AsyncEngine(llm)
     app = build_app(engine, args.served_model_name or args.model, options)
@@ -145,7 +146,7 @@ def serve_replicated(args: argparse.Namespace) -> None:
     hosts = (tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
              else tuple(default_allowed_hosts(args.host)))
     config = ReplicatedServer(tuple(replica_argv(argv)), args.replicas, args.threads_per_replica, args.routing,
-                              args.api_key or os.environ.get(API_KEY_ENV) or None, hosts, args.drain_timeout,
+                              _api_keys(args), hosts, args.drain_timeout,
                               max_request_bytes=args.max_request_bytes)
     serve_replicas(config, server_from_argv, host=args.host, port=args.port, address=args.address,
                    description=args.model)
@@ -157,3 +158,9 @@ def replicated_app(args: dict):
     from draftwise.scaleout.application import build
 
     return build(args, server_from_argv)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--api-key (each one given), else the environment's key, else none."""
+    keys = tuple(args.api_key or ()) or ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
+    return keys or None

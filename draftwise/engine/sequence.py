@@ -24,6 +24,7 @@ class Sequence:
         self.method: str | None = None  # the drafter speculating for it (None: plain decoding)
         self.max_draft_tokens: int | None = None  # a per-request cap on k (None: the drafter's own)
         self.segment: str | None = None  # a traffic label: the controller keeps per-segment statistics
+        self.tenant: str | None = None  # whose request: drafts from earlier requests' text stay within a tenant
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.error_reason: str | None = None  # a short label of the failure for metrics ("engine_error", ...)
         self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar

@@ -356,7 +356,7 @@ class LLM:
 
     # --- continuous batching: requests join and leave between steps ------------------------
     def add_request(self, prompt: str | TokensPrompt, sampling_params: SamplingParams | None = None, *,
-                    speculative: dict | None = None, segment: str | None = None,
+                    speculative: dict | None = None, segment: str | None = None, tenant: str | None = None,
                     max_tokens_must_fit: bool = False) -> str:
         """Queue a request to run alongside whatever is running; returns its request id.
 
@@ -364,11 +364,16 @@ class LLM:
         decoding), or {"method": ..., "num_speculative_tokens": k} (k caps the drafter's own
         bound); a method that needs no model of its own is built on first use (`prepare_drafter`).
         segment: a traffic label (the adaptive controller keeps statistics per segment).
+        tenant: whose request (the server passes its API key's tenant): drafters that learn from
+        earlier requests' text (suffix decoding's cache) use only the same tenant's.
         max_tokens_must_fit: refuse (rather than shorten) a max_tokens that the context cannot
         hold after the prompt, as OpenAI's API does."""
         seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True), segment)
         if max_tokens_must_fit:
             check_max_tokens_fit(len(seq.prompt_token_ids), seq.params.max_tokens, self.max_model_len)
+        if tenant is not None and not isinstance(tenant, str):
+            raise InvalidParameterError(f"tenant must be a string, got {type(tenant).__name__}")
+        seq.tenant = tenant
         with self._lock:
             seq.method, seq.max_draft_tokens = request_speculation(speculative, self.engine.default_method,
                                                                    self.prepare_drafter)

@@ -40,7 +40,7 @@ class ReplicatedServer:
     replicas: int = 2
     threads_per_replica: int = 1
     routing: str = "affinity"
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # several: each is accepted (one tenant: see the README)
     allowed_hosts: tuple[str, ...] = ("*",)  # Host names the ingress answers
     drain_timeout: float = 30.0
     max_ongoing_requests: int = 256  # per replica: its engine queues what it cannot batch yet

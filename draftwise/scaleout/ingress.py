@@ -25,7 +25,7 @@ from draftwise.scaleout.metrics import IngressMetrics
 from draftwise.scaleout.routing import NoReplicaError, Router
 from draftwise.server.protocol import error_body
 from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
-from draftwise.server.security import host_name
+from draftwise.server.security import api_keys, host_name
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ async def limited_body(request: Request, limit: int) -> bytes | None:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, *replicas, replica_names: tuple[str, ...] = (), routing: str = "affinity",
-                 api_key: str | None = None, allowed_hosts: tuple[str, ...] = ("*",),
+                 api_key: str | tuple[str, ...] | None = None, allowed_hosts: tuple[str, ...] = ("*",),
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.replicas, self.replica_names = list(replicas), tuple(replica_names)
         self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
         self.router = Router(len(self.replicas), routing)
         self.metrics = IngressMetrics()
-        self.api_key = api_key
+        self.api_keys = api_keys(api_key)
         self.max_request_bytes = max_request_bytes
         for index in range(len(self.replicas)):
             self.router.mark(index, False)  # (until a probe hears from it)
@@ -176,10 +176,10 @@ class Ingress:
             return JSONResponse(error_body(f"Host {host!r} is not allowed here (allowed: "
                                            f"{', '.join(sorted(self.allowed_hosts))}); start the server with "
                                            "--allowed-hosts to add names", code="invalid_host"), status_code=400)
-        if self.api_key is None:
+        if not self.api_keys:
             return None
-        given = request.headers.get("authorization", "")
-        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        given = request.headers.get("authorization", "").encode()
+        if any([secrets.compare_digest(given, f"Bearer {key}".encode()) for key in self.api_keys]):
             return None
         return JSONResponse(error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"),
                             status_code=401)

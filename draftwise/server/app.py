@@ -24,18 +24,21 @@ from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import error_body
 from draftwise.server.requests import RequestError, Served, ServerLimits
 from draftwise.server.routes import router
-from draftwise.server.security import ApiKeyAuth, BodyLimit, HostAllowlist
+from draftwise.server.security import ApiKeyAuth, BodyLimit, HostAllowlist, api_keys
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class ServerOptions:
-    api_key: str | None = None  # every path but /health needs `Authorization: Bearer KEY`
+    api_key: str | tuple[str, ...] | None = None  # every path but /health needs `Authorization: Bearer KEY`; each key a tenant
     allowed_hosts: frozenset[str] = frozenset({"*"})  # Host header names answered ("*": any)
     allowed_origins: tuple[str, ...] = ()  # CORS origins (none: CORS off)
     limits: ServerLimits = field(default_factory=ServerLimits)
     drain_timeout: float = 30.0  # seconds running requests get to finish at shutdown
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", api_keys(self.api_key))  # (one key or several -> a tuple; empty refused)
 
 
 def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = ServerOptions()) -> FastAPI:
@@ -57,7 +60,7 @@ def build_app(engine: AsyncEngine, model_name: str, options: ServerOptions = Ser
     # Outermost last: the Host check, then CORS (preflights carry no key), the key, the body limit.
     app.add_middleware(BodyLimit, max_bytes=options.limits.max_request_bytes)
     if options.api_key:
-        app.add_middleware(ApiKeyAuth, api_key=options.api_key)
+        app.add_middleware(ApiKeyAuth, api_keys=options.api_key)
     if options.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -45,6 +45,7 @@ class RequestHandler:
                                "model", "model_not_found")
 
     async def run(self, request: Request, body: SamplingFields, engine_request: EngineRequest):
+        engine_request.options["tenant"] = getattr(request.state, "tenant", None)  # (ApiKeyAuth's: the key's tenant)
         prompt = await asyncio.to_thread(self._tokenize, engine_request)  # the tokenizer releases the GIL
         if sample_count(engine_request.params) > 1:
             return await self._run_samples(request, body, engine_request, prompt)

@@ -6,17 +6,21 @@ allowlist and the API key.
 - Host allowlist: a server bound to loopback answers only to loopback names (localhost, 127.0.0.1,
   [::1]); otherwise a web page could reach it through DNS rebinding (its own name resolving to
   127.0.0.1). Other names are allowed by `allowed_hosts` ("*": any).
-- API key: `Authorization: Bearer KEY` (the scheme in any case), compared in constant time; every
-  path but /health needs it.
+- API keys: `Authorization: Bearer KEY` (the scheme in any case), compared in constant time; every
+  path but /health needs one. Each key is a tenant: the request carries its key's `tenant_of`
+  (a digest, never the key) in `scope["state"]["tenant"]`, so that what one tenant's requests
+  leave behind (suffix decoding's cache of earlier outputs) never shapes another's.
 Each refusal is an OpenAI-shaped error body.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 
+from draftwise.errors import InvalidParameterError
 from draftwise.server.protocol import error_body
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -98,18 +102,34 @@ class HostAllowlist:
 
 
 class ApiKeyAuth:
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
+        self.app, self.keys = app, [key.encode() for key in api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self.key):
+        given = token.strip().encode("latin-1")
+        matches = [hmac.compare_digest(given, key) for key in self.keys]  # (every key compared: no early exit)
+        if scheme.lower() != "bearer" or not any(matches):
             return await send_error(send, 401, error_body("invalid or missing API key", "authentication_error",
                                                           code="invalid_api_key"),
                                     [(b"www-authenticate", b"Bearer")])
+        scope.setdefault("state", {})["tenant"] = tenant_of(self.keys[matches.index(True)])
         return await self.app(scope, receive, send)
+
+
+def tenant_of(key: bytes) -> str:
+    """A tenant's name: a digest of its API key (what the engine holds and could show, never the key)."""
+    return hashlib.sha256(b"draftwise-tenant:" + key).hexdigest()[:16]
+
+
+def api_keys(given: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The keys a server accepts, from one key or several; an empty key is refused by name."""
+    keys = (given,) if isinstance(given, str) else tuple(given or ())
+    if any(not isinstance(key, str) or not key.strip() for key in keys):
+        raise InvalidParameterError("api_key: an API key must be a non-empty string")
+    return keys
 
 
 def host_name(header: str) -> str:

@@ -50,6 +50,7 @@ class _DraftSide:
     end_token_ids: frozenset = frozenset()
     row: int | None = None
     segment: str | None = None
+    tenant: str | None = None
 
 
 class CrossTokenizerProposer:

@@ -14,6 +14,7 @@ class SequenceState(Protocol):
     row: int | None  # the request's row in the target's KV cache while it runs
     params: SamplingParams
     segment: str | None  # a traffic label: the controller keeps statistics per segment
+    tenant: str | None  # whose request (the server's API key): text drafted from others' requests stays within it
     output_ids: list[int]  # tokens generated so far
     grammar: RequestGrammar | None  # structured outputs: the output's place in its grammar (None: free)
     bad_words_ids: list[list[int]]  # params.bad_words as token ids (the logits processors read them)

@@ -170,6 +170,7 @@ class ProfilingSequence:
     row: int | None = None
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=None))
     segment: None = None
+    tenant: None = None
     output_ids: list[int] = field(default_factory=list)
 
     @property

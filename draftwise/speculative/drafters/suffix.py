@@ -13,8 +13,8 @@ probability below `suffix_min_probability`). The defaults are Arctic Inference's
 
 Model-free: a lookup costs about 0.1 ms of Python, and one dictionary miss when nothing matches.
 The engine calls the drafter from its own thread only; the cache has a lock all the same (metrics
-and tests read it from others). Its partitions are keyed by the request's `tenant` (None for all
-today: the server has one API key), so that one tenant's text never shapes another's drafts.
+and tests read it from others). Its partitions are keyed by the request's `tenant` (the server's API
+key it came with; None without keys), so that one tenant's text never shapes another's drafts.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class SuffixProposer:
                                                options.suffix_max_branches))
         if self.cache is not None:
             shared = self._within_factor(self.cache.lookup(
-                getattr(seq, "tenant", None), context, k, options.suffix_max_depth, options.suffix_min_probability,
+                seq.tenant, context, k, options.suffix_max_depth, options.suffix_min_probability,
                 options.suffix_max_branches))
             if _promise(shared) > _promise(found):  # (each as it would be drafted: cut to its factor first)
                 found = shared
@@ -157,7 +157,7 @@ class SuffixProposer:
                 self._cached.popitem(last=False)
             prompt = seq.token_ids[:len(seq.token_ids) - len(seq.output_ids)]
             tail = prompt[-self.options.suffix_max_depth:]  # a later request ending the same way matches into it
-            self.cache.add(getattr(seq, "tenant", None), tail + list(seq.output_ids))
+            self.cache.add(seq.tenant, tail + list(seq.output_ids))
 
     def forget_history(self) -> None:
         """Earlier requests' text dropped (running requests keep their own indexes)."""
