@@ -7,6 +7,7 @@ and dequantization take). Tensors the file stores as Q4_K also keep their 4-bit 
 Q4_K and Q6_K tensors their super-block integers (`superblocks-*.safetensors`: Q4_K's `<name>.d`,
 `.dmin`, `.sub_scales`, `.sub_mins`; Q6_K's `<name>.q`, `.sub_scales`, `.d`), so int4 inference uses
 the file's own quantization. A `draftwise.json` marker written last makes a folder complete.
+A config-only folder (`weights=False`) holds the same files but no weights: what a dummy load reads.
 """
 
 from __future__ import annotations
@@ -53,24 +54,36 @@ def is_converted(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
-def convert_gguf(gguf_path: Path, folder: Path, progress: bool = True) -> Path:
+def convert_gguf(gguf_path: Path, folder: Path, progress: bool = True, weights: bool = True) -> Path:
     """Write `folder` from `gguf_path` (atomically: a partial folder is renamed at the end). Processes
     converting the same file at once take turns (a lock beside the folder): the later ones find it done
-    (two that wrote one partial folder together left a model without some of its files)."""
+    (two that wrote one partial folder together left a model without some of its files).
+    weights=False: config and tokenizer only, from the file's metadata (no tensor dequantized)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.with_name(f".{folder.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if is_converted(folder):
             return folder
-        return _convert(gguf_path, folder, progress)
+        return _convert(gguf_path, folder, progress, weights)
 
 
-def _convert(gguf_path: Path, folder: Path, progress: bool) -> Path:
+def _convert(gguf_path: Path, folder: Path, progress: bool, weights: bool = True) -> Path:
     gguf = GGUFFile(gguf_path)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
+    _write_config_and_tokenizer(gguf, gguf_path, partial)
+    stored_types = _write_weights(gguf, gguf_path, partial, progress) if weights else {}
+    (partial / MARKER).write_text(json.dumps({
+        "source": str(gguf_path), "converter_version": CONVERTER_VERSION,
+        "architecture": gguf.architecture, "gguf_types": stored_types, "weights": weights,
+    }, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
 
+
+def _write_config_and_tokenizer(gguf: GGUFFile, gguf_path: Path, partial: Path) -> None:
     tokenizer = build_tokenizer(gguf.metadata, str(gguf_path))
     tokenizer.save(str(partial / "tokenizer.json"))
     meta = gguf.metadata
@@ -88,6 +101,9 @@ def _convert(gguf_path: Path, folder: Path, progress: bool) -> Path:
     }, indent=2))
     (partial / "config.json").write_text(json.dumps(gguf.config.to_hf_dict(), indent=2))
 
+
+def _write_weights(gguf: GGUFFile, gguf_path: Path, partial: Path, progress: bool) -> dict[str, str]:
+    """Every tensor dequantized to fp32 shards (and Q4_K / Q6_K integers beside); how the file stored each."""
     weights = _ShardWriter(partial, "model")
     groups = _ShardWriter(partial, "q4k")
     superblocks = _ShardWriter(partial, "superblocks")
@@ -109,11 +125,4 @@ def _convert(gguf_path: Path, folder: Path, progress: bool) -> Path:
     groups.close()
     superblocks.close()
     bar.close()
-
-    (partial / MARKER).write_text(json.dumps({
-        "source": str(gguf_path), "converter_version": CONVERTER_VERSION,
-        "architecture": gguf.architecture, "gguf_types": stored_types,
-    }, indent=2))
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return folder
+    return stored_types

@@ -163,6 +163,8 @@ class GGUFFile:
 
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
+        head_dim = int(get("attention.key_length", hidden // heads))
+        self._refuse_partial_rotary(head_dim)
         experts = int(meta.get(f"{arch}.expert_count") or 0)
         moe = {}
         if experts:
@@ -181,7 +183,7 @@ class GGUFFile:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(get("context_length", 4096)),
@@ -192,6 +194,15 @@ class GGUFFile:
             **moe,
             **(self._gemma3_fields(hidden, heads) if arch == "gemma3" else {}),
         )
+
+    def _refuse_partial_rotary(self, head_dim: int) -> None:
+        """llama.cpp's `rope.dimension_count` below the head size rotates part of each head (config.json's
+        partial_rotary_factor), which `model/rope.py` does not: it would rotate all of it."""
+        key = f"{self.architecture}.rope.dimension_count"
+        rotated = self.metadata.get(key)
+        if rotated is not None and int(rotated) != head_dim:
+            raise ModelFormatError(f"{self.path}: metadata {key} {int(rotated)} is not the head size {head_dim} "
+                                   "(RoPE over a part of each head is not implemented)")
 
     def _gemma3_fields(self, hidden: int, heads: int) -> dict:
         meta, layers = self.metadata, int(self.metadata["gemma3.block_count"])

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -12,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.loading.dummy import dummy_model
+from draftwise.loading.weight_files import checkpoint_layout
 from draftwise.model.config import ModelConfig
 from draftwise.model.onednn_linear import pack_linear_layers
 from draftwise.quant.apply import QuantizationReport, check_quantization, float_free_weights, quantize_model
@@ -29,23 +29,16 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelFormatError(f"{path}: unreadable ({error})") from None
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith(("q4k-", "superblocks-", "packed-")))
-    if not files:
-        raise ModelFormatError(f"{folder}: no *.safetensors weight files")
-    return files
-
-
 def _read_tensors(folder: Path, only: set[str] | None = None, unread: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by our names ("model." dropped); `only` these names if given; those
     `unread` as meta tensors of their shape (placeholders for layers built from other data)."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(folder):
+    for file, keys in checkpoint_layout(folder).items():  # (its files and names checked before any read)
         if not _readable(file):
             raise ModelFormatError(f"{file}: cannot be read (permission denied)")
         try:
             with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
+                for key in keys:
                     name = key.removeprefix("model.")
                     if name in unread:
                         tensors[name] = torch.empty(handle.get_slice(key).get_shape(), device="meta")

@@ -16,11 +16,13 @@ def known_model_file(name: str) -> Path:
     return cache_root() / "models" / f"{name}.gguf"
 
 
-def resolve_model(model: str, progress: bool = True) -> Path:
+def resolve_model(model: str, progress: bool = True, load_format: str = "auto") -> Path:
     """Return a folder with config.json, tokenizer.json and safetensors for `model`; a cache that
-    cannot be written where a model must be fetched or converted is a CacheNotWritableError."""
+    cannot be written where a model must be fetched or converted is a CacheNotWritableError.
+    load_format "dummy" (random weights, `dummy.py`): a GGUF file's folder may hold no weights, for
+    its tensors are not dequantized only to be replaced (its metadata are read, in a second or so)."""
     try:
-        return _resolve(model, progress)
+        return _resolve(model, progress, load_format == "dummy")
     except OSError as error:
         if error.filename is None or not Path(error.filename).is_relative_to(cache_root()):
             raise
@@ -29,14 +31,13 @@ def resolve_model(model: str, progress: bool = True) -> Path:
             "you may write (models are fetched and converted there)") from None
 
 
-def _resolve(model: str, progress: bool) -> Path:
+def _resolve(model: str, progress: bool, config_only: bool) -> Path:
     if model in KNOWN_MODELS:
         known = KNOWN_MODELS[model]
         gguf_path = known_model_file(model)
         if not gguf_path.is_file():
             assemble(known, gguf_path, progress=progress)
-        folder = cache_root() / "converted" / f"{model}-{known.sha256[:12]}-v{CONVERTER_VERSION}"
-        return folder if is_converted(folder) else convert_gguf(gguf_path, folder, progress=progress)
+        return _converted(gguf_path, f"{model}-{known.sha256[:12]}", progress, config_only)
 
     path = Path(model).expanduser()
     if path.is_dir():
@@ -46,9 +47,20 @@ def _resolve(model: str, progress: bool) -> Path:
     if path.is_file():
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-        folder = cache_root() / "converted" / f"{path.stem}-{key}-v{CONVERTER_VERSION}"
-        return folder if is_converted(folder) else convert_gguf(path, folder, progress=progress)
+        return _converted(path, f"{path.stem}-{key}", progress, config_only)
     raise ModelNotFoundError(
         f"unknown model {model!r}: not a known name ({', '.join(KNOWN_MODELS)}) "
         "and no GGUF file or model folder at that path"
     )
+
+
+def _converted(gguf_path: Path, name: str, progress: bool, config_only: bool) -> Path:
+    """The GGUF file's converted folder in the cache, converted now if it is not there. config_only: a
+    folder without weights will do (the full one too, where it exists: its config is the same)."""
+    folder = cache_root() / "converted" / f"{name}-v{CONVERTER_VERSION}"
+    if is_converted(folder):
+        return folder
+    if config_only:
+        folder = folder.with_name(folder.name + "-config-only")
+        return folder if is_converted(folder) else convert_gguf(gguf_path, folder, progress=progress, weights=False)
+    return convert_gguf(gguf_path, folder, progress=progress)

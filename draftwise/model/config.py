@@ -4,6 +4,7 @@ Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from draftwise.errors import ModelFormatError
@@ -113,6 +114,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
                 rope_scaling=None if scaling.rope_type == "default" else scaling,
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+                hidden_act=_activation(cfg, model_type, source),
                 **_moe_fields(cfg, model_type),
                 **(_gemma3_fields(cfg, hidden) if model_type == "gemma3_text" else {}),
                 **(_mistral_window(cfg) if model_type == "mistral" else {}),
@@ -143,6 +145,7 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": _HF_ACTIVATION_NAMES[self.hidden_act],
             **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling is not None else {}),
             **(self._gemma3_hf_fields() if self.model_type == "gemma3_text" else {}),
             **({"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
@@ -155,14 +158,18 @@ class ModelConfig:
     def _gemma3_hf_fields(self) -> dict:
         local = {"rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}
         full = self.rope_scaling.to_hf() if self.rope_scaling is not None else {"rope_type": "default"}
-        return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": self.query_pre_attn_scalar,
+        return {"hidden_activation": _HF_ACTIVATION_NAMES[self.hidden_act],
+                "query_pre_attn_scalar": self.query_pre_attn_scalar,
                 "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
                 "rope_parameters": {SLIDING: local, FULL: {**full, "rope_theta": self.rope_theta}},
                 "rope_local_base_freq": local["rope_theta"]}
 
 
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
-_GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_tanh")
+# config.json's names for them (transformers' ACT2FN: "swish" is SiLU; plain "gelu" is the exact erf one,
+# which the MLP does not compute) and the name each is written back under.
+_ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_HF_ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -186,18 +193,45 @@ def _refuse_unsupported_fields(cfg: dict, source: str) -> None:
             raise ModelFormatError(f"{source}: {name} is not supported (Gemma 2's logit soft-capping)")
     if cfg.get("use_sliding_window") and cfg.get("model_type") != "gemma3_text":
         raise ModelFormatError(f"{source}: use_sliding_window is not supported for {cfg.get('model_type')!r}")
+    for where, fields in _rope_field_groups(cfg):
+        factor = fields.get("partial_rotary_factor")
+        if factor is not None and factor != 1.0:  # (`model/rope.py` rotates every dimension of a head)
+            raise ModelFormatError(f"{source}: {where}partial_rotary_factor {factor!r} is not supported (RoPE "
+                                   "over a part of each head is not implemented)")
+
+
+def _rope_field_groups(cfg: dict) -> Iterator[tuple[str, dict]]:
+    """Where RoPE settings may sit: the top level, rope_parameters / rope_scaling, and (transformers >= 5,
+    Gemma 3) their per-layer-type dicts; each with the prefix that names it in an error."""
+    yield "", cfg
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key)
+        if isinstance(rope, dict):
+            yield f"{key}.", rope
+            for layer_type in (SLIDING, FULL):
+                if isinstance(rope.get(layer_type), dict):
+                    yield f"{key}.{layer_type}.", rope[layer_type]
+
+
+def _activation(cfg: dict, model_type: str, source: str) -> str:
+    """The MLP gate's activation by our name, from hidden_activation (Gemma's field) or hidden_act;
+    any other would be computed as SiLU or GELU-tanh all the same, so it is refused by name."""
+    field = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    value = cfg.get(field) or ("gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu")
+    if isinstance(value, str) and value in _ACTIVATION_NAMES:
+        return _ACTIVATION_NAMES[value]
+    raise ModelFormatError(f"{source}: {field} {value!r} is not supported (supported: "
+                           f"{', '.join(_ACTIVATION_NAMES)})")
 
 
 def _gemma3_fields(cfg: dict, hidden: int) -> dict:
     """ModelConfig's Gemma 3 fields from a config.json (transformers 4.5x or 5.x names)."""
-    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     layers = int(cfg["num_hidden_layers"])
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
     layer_types = tuple(cfg.get("layer_types") or (
         FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)))
     local = (cfg.get("rope_parameters") or {}).get(SLIDING, {}).get("rope_theta", cfg.get("rope_local_base_freq"))
     return {"sandwich_norms": True, "norm_weight_offset": 1.0, "embedding_multiplier": hidden ** 0.5,
-            "hidden_act": "gelu_tanh" if activation in _GELU_TANH_NAMES else activation,
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
             "sliding_window": int(cfg.get("sliding_window") or 0), "layer_types": layer_types,
             "local_rope_theta": float(local) if local is not None else 10000.0}

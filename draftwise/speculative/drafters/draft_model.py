@@ -217,7 +217,7 @@ def check_draft_model(options: DraftModelOptions, target_tokenizer: Tokenizer, t
                       progress: bool) -> None:
     """Before the target's weights load: the draft model exists and speaks the target's vocabulary
     (or drafts across vocabularies, when told to)."""
-    folder = resolve_model(options.model, progress=progress)
+    folder = resolve_model(options.model, progress=progress, load_format="dummy")  # (its tokenizer only: no weights)
     if not options.cross_tokenizer:
         check_same_vocabulary(target_tokenizer, Tokenizer(folder), target_name, options.model)
 
@@ -225,7 +225,7 @@ def check_draft_model(options: DraftModelOptions, target_tokenizer: Tokenizer, t
 def build_draft_model(target: Target, options: DraftModelOptions) -> DraftModelProposer | CrossTokenizerProposer:
     runner = target.runner
     quantization = resolve_quantization(options.quantization, runner.device, runner.dtype, draft=True)
-    folder = resolve_model(options.model, progress=target.progress)
+    folder = resolve_model(options.model, progress=target.progress, load_format=target.load_format)
     draft_model = load_model(folder, runner.device, runner.dtype, quantization=quantization,
                              load_format=target.load_format)
     if options.cross_tokenizer:  # (its whole vocabulary: a trimmed head would rank the target's ids)
