@@ -86,3 +86,29 @@ def test_a_cache_too_small_to_measure_costs_is_said_so(tiny_qwen, bytes_per_toke
     with pytest.raises(InvalidParameterError, match="needs a context of .* tokens, and the KV cache .* holds 64"):
         LLM(str(tiny_qwen), max_model_len=256, block_size=8, kv_cache_memory_bytes=8 * 8 * bytes_per_token,
             progress=False, speculative={"method": "ngram", "num_speculative_tokens": 3})
+
+
+def test_a_drafter_built_on_first_use_while_running_requests_fill_the_cache_says_so_and_harms_none(
+        tiny_qwen, plain, tmp_path, monkeypatch):
+    """A per-request method is built on its first request, timing this machine's costs in the target's
+    cache: where running requests hold that room, the new request is refused with what to do; the
+    running ones finish as plain decoding computes them."""
+    from draftwise.errors import KVCacheFullError
+    from draftwise.speculative.control.profile import PROFILES_ENV
+
+    monkeypatch.setenv(PROFILES_ENV, str(tmp_path))  # (nothing measured before: it must measure)
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=2, block_size=16, progress=False,
+              kv_cache_memory_bytes=32 * 16 * ModelRunner.kv_bytes_per_token(plain.model))
+    prompt = "word " * 20
+    running = [llm.add_request(prompt, greedy(190)) for _ in range(2)]
+    for _ in range(170):
+        llm.step()
+    with pytest.raises(KVCacheFullError, match=r"method 'suffix' is built on first use.*prepare_drafter\('suffix'\)"):
+        llm.add_request("hello", greedy(8), speculative={"method": "suffix"})
+    finished = {}
+    while llm.has_unfinished_requests():
+        finished.update({out.request_id: out for out in llm.step() if out.finished})
+    expected = plain.generate(prompt, greedy(190))[0].outputs[0].token_ids
+    assert sorted(finished) == sorted(running)
+    assert all(list(out.outputs[0].token_ids) == list(expected) for out in finished.values())
+    assert "suffix" not in llm.engine.drafters

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -15,19 +15,21 @@ from draftwise.engine.hidden_states import HiddenRecorder
 from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
-from draftwise.errors import DraftwiseError, InvalidParameterError, ModelFormatError
+from draftwise.errors import DraftwiseError, InvalidParameterError, KVCacheFullError, ModelFormatError
 from draftwise.llm.devices import pick_device, pick_dtype
 from draftwise.llm.host_memory import release_freed_memory
 from draftwise.llm.kernel_builds import start_kernel_builds
 from draftwise.llm.prompt_logprobs import prompt_logprobs
+from draftwise.llm.random_stream import RandomStream
 from draftwise.llm.samples import gathered, per_sample, sample_count
-from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_max_tokens_fit, check_messages,
-                                    check_prompt_ids, prompt_parts, request_speculation)
+from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_chat_options, check_max_tokens_fit,
+                                    check_messages, check_prompt_ids, prompt_parts, request_speculation,
+                                    without_idle_top_k)
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
-from draftwise.sampling.params import SamplingParams
+from draftwise.sampling.params import SEED_RANGE, SamplingParams
 from draftwise.sampling.processors import bad_word_ids
 from draftwise.speculative.config import SpeculativeConfig
 from draftwise.speculative.control.cost_model import CostModel
@@ -68,6 +70,7 @@ class LLM:
         adaptive_threads: bool = True,
         enable_prefix_caching: bool = True,
         prompt_kernels: bool | None = None,
+        seed: int | None = None,
         progress: bool = True,
     ) -> None:
         """enforce_eager (vLLM's name): every pass op by op, no CUDA graph or compiled step. step_mode:
@@ -80,7 +83,14 @@ class LLM:
         kernels of their own where the CPU has them (AMX tiles: prefill 1.15-1.5x faster, BENCHMARKS.md),
         generated tokens by the decoding kernels, so that outputs stay independent of batching
         (`model/prompt_pass.py`); the prefix cache then shares blocks of prompt tokens only, not a
-        previous answer a follow-up repeats. None (default): on where the prefix cache is off."""
+        previous answer a follow-up repeats. None (default): on where the prefix cache is off.
+        seed (vLLM's name): requests without a seed of their own draw from a random stream seeded with
+        it (`RandomStream`): the same calls on LLMs built with the same seed give the same tokens. (vLLM
+        seeds its worker's generators; here the stream is the LLM's own, whatever else the process
+        draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before."""
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
+                                 or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+            raise InvalidParameterError(f"seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
         for name, value in (("max_model_len", DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len),
                             ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -98,7 +108,7 @@ class LLM:
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         kernel_builds = start_kernel_builds(self.device.type, progress)  # beside fetching and converting
-        self.model_folder = resolve_model(model, progress=progress)  # (an error here does not wait for them)
+        self.model_folder = resolve_model(model, progress=progress, load_format=load_format)  # (an error here does not wait for them)
         self.model_name = model
         self.tokenizer = Tokenizer(self.model_folder)
         positions = read_config(self.model_folder).max_position_embeddings
@@ -139,6 +149,7 @@ class LLM:
         self._lock = threading.RLock()
         self._install(config)
         release_freed_memory()  # what loading read and let go
+        self._random = RandomStream(seed, self.device) if seed is not None else None
         self._request_ids = itertools.count()
         self._live: dict[str, Sequence] = {}  # requests added with add_request, until they finish
         self._reported: dict[str, int] = {}  # request id -> tokens already reported by `step`
@@ -212,7 +223,15 @@ class LLM:
                     raise InvalidParameterError(
                         f"method {method!r} loads a model of its own: build the LLM (or start the server) with "
                         f"speculative={{'method': {method!r}, ...}}")
-                self.engine.add_drafter(method, build_drafter(config, self.target))
+                try:
+                    drafter = build_drafter(config, self.target)
+                except KVCacheFullError as error:  # (its costs are timed in the target's cache, running requests beside)
+                    raise KVCacheFullError(
+                        f"method {method!r} is built on first use, and timing this machine's costs for it needs room "
+                        f"in the KV cache that running requests hold now ({error}): call "
+                        f"LLM.prepare_drafter({method!r}) before requests run (the server does), or add the request "
+                        "when some have finished") from None
+                self.engine.add_drafter(method, drafter)
 
     @property
     def default_method(self) -> str | None:
@@ -241,6 +260,7 @@ class LLM:
             prompt_ids = self.tokenizer.encode(text)
         check_prompt_ids(prompt_ids, self.max_model_len)
         check_against_vocabulary(prompt_ids, params, self.model.config.vocab_size)
+        params = without_idle_top_k(params, self.model.config.vocab_size)
         if segment is not None and not isinstance(segment, str):
             raise InvalidParameterError(f"segment must be a string, got {type(segment).__name__}")
         seq = Sequence(str(next(self._request_ids)), text, prompt_ids, params, self.tokenizer,
@@ -306,10 +326,16 @@ class LLM:
             self.spec_metrics.merge(seq.metrics.spec)
         return [gathered([seq.output() for seq in group], params) for group, params in zip(groups, params_list)]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
-        Message text is tokenized as text: control tokens come only from the template."""
+        Message text is tokenized as text: control tokens come only from the template. vLLM's options:
+        add_generation_prompt opens the assistant's turn; continue_final_message (with
+        add_generation_prompt=False) has the model go on with the final message's text; tools are
+        rendered for the model (its calls come back as text); chat_template_kwargs are more variables
+        for the template. The template must read what it is given: tools or a variable it would
+        ignore are refused."""
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
             conversations = [messages]
         elif isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
@@ -320,12 +346,20 @@ class LLM:
                                         f"{type(messages).__name__}" + (" (empty)" if messages == [] else ""))
         for c, conversation in enumerate(conversations):
             check_messages(conversation, f"messages[{c}]" if len(conversations) > 1 else "messages")
-        return self.generate([self.chat_prompt(conversation) for conversation in conversations], sampling_params)
+        check_chat_options(add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
+        prompts = [self.chat_prompt(conversation, add_generation_prompt, tools,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params)
 
-    def chat_prompt(self, messages: list[dict]) -> TokensPrompt:
-        """A conversation as a tokens prompt (`Tokenizer.encode_chat`), with its rendered text."""
-        return {"prompt_token_ids": self.tokenizer.encode_chat(messages),
-                "prompt": self.tokenizer.apply_chat_template(messages)}
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    *, continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> TokensPrompt:
+        """A conversation as a tokens prompt (`Tokenizer.encode_chat`, with chat's options), with its
+        rendered text."""
+        options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
+                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+        return {"prompt_token_ids": self.tokenizer.encode_chat(messages, **options),
+                "prompt": self.tokenizer.apply_chat_template(messages, **options)}
 
     def stream(self, prompt: str | TokensPrompt,
                sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -351,8 +385,12 @@ class LLM:
             self.spec_metrics.merge(seq.metrics.spec)
 
     def _step(self) -> list[Sequence]:
-        with self._lock:
+        with self._lock, self._drawing():
             return self.engine.step()
+
+    def _drawing(self):
+        """Where the step's random draws come from: this LLM's stream if it was seeded."""
+        return self._random.drawing() if self._random is not None else nullcontext()
 
     # --- continuous batching: requests join and leave between steps ------------------------
     def add_request(self, prompt: str | TokensPrompt, sampling_params: SamplingParams | None = None, *,
@@ -388,7 +426,8 @@ class LLM:
             return self._step_outputs()
 
     def _step_outputs(self) -> list[RequestOutput]:
-        stepped = {seq.request_id for seq in self.engine.step()}
+        with self._drawing():
+            stepped = {seq.request_id for seq in self.engine.step()}
         outputs = []
         for request_id, seq in list(self._live.items()):
             if request_id in stepped or seq.finished:  # (one may have finished during a generate call)

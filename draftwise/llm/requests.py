@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypedDict
 
 from draftwise.errors import InvalidParameterError, PromptTooLongError, check_text
@@ -41,15 +42,19 @@ def prompt_parts(prompt: str | TokensPrompt) -> tuple[str, list[int] | None]:
 
 
 def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
-    """Token ids and top_k the model's vocabulary can hold."""
+    """Token ids the model's vocabulary can hold."""
     if any(i >= vocab_size for i in prompt_ids):
         raise InvalidParameterError(f"prompt_token_ids hold an id >= the vocabulary's {vocab_size}")
-    if params.top_k > vocab_size:
-        raise InvalidParameterError(f"top_k must be at most the vocabulary size {vocab_size}, got {params.top_k}")
     if any(i >= vocab_size for i in params.stop_token_ids):
         raise InvalidParameterError(f"stop_token_ids hold an id >= the vocabulary's {vocab_size}")
     if params.logit_bias and any(i >= vocab_size for i in params.logit_bias):
         raise InvalidParameterError(f"logit_bias holds a token id >= the vocabulary's {vocab_size}")
+
+
+def without_idle_top_k(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """`params` with a top_k that keeps the whole vocabulary read as no cut (0), vLLM's reading of one
+    past it: the same distribution, and no step sorts the row's logits to cut nothing."""
+    return replace(params, top_k=0) if params.top_k >= vocab_size else params
 
 
 def check_prompt_ids(prompt_ids: list[int], max_model_len: int) -> None:
@@ -113,3 +118,23 @@ def check_messages(conversation: list, where: str) -> None:
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidParameterError(f"{where}[{i}].content must be text or a list of parts, "
                                         f"got {type(content).__name__}")
+
+
+def check_chat_options(add_generation_prompt: bool, continue_final_message: bool, tools: list[dict] | None,
+                       chat_template_kwargs: dict | None) -> None:
+    """chat's template options (vLLM's names) of the kinds a template reads; one the model's template
+    cannot honour is refused when it renders (`ChatTemplate.render`)."""
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise InvalidParameterError(f"{name} must be true or false, got {value!r}")
+    if add_generation_prompt and continue_final_message:  # (vLLM refuses the pair too)
+        raise InvalidParameterError("continue_final_message=True goes on with the final message, "
+                                    "add_generation_prompt=True opens a new turn after it: pass "
+                                    "add_generation_prompt=False")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools)):
+        raise InvalidParameterError(f"tools must be a list of tool dicts (OpenAI's shape), got {type(tools).__name__}")
+    if chat_template_kwargs is not None and (not isinstance(chat_template_kwargs, dict)
+                                             or not all(isinstance(name, str) for name in chat_template_kwargs)):
+        raise InvalidParameterError("chat_template_kwargs must be a dict of the template's variables by name, "
+                                    f"got {type(chat_template_kwargs).__name__}")

@@ -9,6 +9,7 @@ from draftwise.errors import InvalidParameterError, check_text
 from draftwise.sampling.structured_params import StructuredOutputsParams
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
+MAX_TOP_K = (1 << 63) - 1  # what the sampler's int64 top-k tensor holds (past the vocabulary: no cut)
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's and vLLM's limit)
 MAX_SAMPLES = 16  # n and best_of at most
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
@@ -18,7 +19,7 @@ GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: int = 0  # 0 or -1: no top-k cut
+    top_k: int = 0  # 0 or -1: no top-k cut; nor is one past the vocabulary (vLLM's reading)
     seed: int | None = None  # per-request seed: the same seed gives the same tokens, alone or batched, speculating or not
     max_tokens: int | None = 16  # None: up to the end of the context
     stop: list[str] | str | None = None  # strings that end generation (not included in the text)
@@ -52,8 +53,9 @@ class SamplingParams:
             raise InvalidParameterError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidParameterError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidParameterError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidParameterError(f"top_k must be -1, 0 (disabled) or a positive integer below 2**63, "
+                                        f"got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):

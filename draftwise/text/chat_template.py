@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
-from jinja2 import Template, TemplateSyntaxError
+from jinja2 import Template, TemplateSyntaxError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from draftwise.errors import ChatTemplateError
+from draftwise.errors import ChatTemplateError, InvalidParameterError
 
 TEMPLATE_FILE = "chat_template.jinja"  # newer Hugging Face folders keep the template here
 DEFAULT_TEMPLATE_NAME = "default"
+CHAT_ARGUMENTS = ("messages", "tools", "add_generation_prompt")  # what every rendering passes the template
 
 
 def find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
@@ -66,20 +68,63 @@ class ChatTemplate:
         self._token_variables = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._compiled: Template | None = None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, *,
+               continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
         """The prompt text for a conversation. Messages reach the template as they are given (a
         content string, or a list of content parts if the caller passes one): the template decides.
-        tools: OpenAI's tool list, for templates that render it (None: the template sees none)."""
+        tools: OpenAI's tool list, for templates that render it (None: the template sees none).
+        continue_final_message: the text ends with the final message's text, for the model to go on
+        with it (no end of turn after it). chat_template_kwargs: more variables the template reads
+        (vLLM's name; e.g. Qwen3's `enable_thinking`). An option the template would ignore is refused."""
         template = self._compile()
+        variables = chat_template_kwargs or {}
+        self._check_variables(tools, variables)
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                   **self._token_variables)
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                   **self._token_variables, **variables)
         except _TemplateRefusal as refusal:
             raise ChatTemplateError(f"the chat template of {self.model_name!r} refused the conversation: "
                                     f"{refusal}") from None
         except Exception as error:  # anything the template trips on is the conversation's or the template's fault
             raise ChatTemplateError(f"the chat template of {self.model_name!r} failed{_template_line(error)}: "
                                     f"{type(error).__name__}: {error}") from None
+        return self._cut_after_final_message(text, messages[-1]) if continue_final_message else text
+
+    def _check_variables(self, tools: list[dict] | None, variables: dict) -> None:
+        """Tools and variables only where the template reads them: a template that never names one
+        would render as if it were not there, and the caller would never know."""
+        if tools and "tools" not in self._read_variables:
+            raise InvalidParameterError(f"tools: the chat template of {self.model_name!r} does not render tools")
+        for name in variables:
+            if name in self._set_variables:
+                raise InvalidParameterError(f"chat_template_kwargs[{name!r}]: draftwise sets {name!r} itself"
+                                            + (" (pass it as chat's own argument)" if name in CHAT_ARGUMENTS else ""))
+            if name not in self._read_variables:
+                raise InvalidParameterError(f"chat_template_kwargs[{name!r}]: the chat template of "
+                                            f"{self.model_name!r} reads no variable {name!r}")
+
+    def _cut_after_final_message(self, text: str, message: dict) -> str:
+        """The rendering up to the end of the final message's text (transformers' rule: where its
+        text last appears; its trailing whitespace kept only where the template kept it)."""
+        final = _final_text(message)
+        start = text.rfind(final.strip())
+        if start < 0:
+            raise InvalidParameterError(f"continue_final_message: the chat template of {self.model_name!r} does "
+                                        "not write the final message's text as it is, so it cannot be continued")
+        kept = final.lstrip()
+        end = start + (len(kept) if text.startswith(kept, start) else len(final.strip()))
+        return text[:end]
+
+    @cached_property
+    def _read_variables(self) -> frozenset[str]:
+        """The names the template reads and does not set itself (Jinja's own analysis)."""
+        environment = self._compile().environment
+        return frozenset(meta.find_undeclared_variables(environment.parse(self.source)))
+
+    @cached_property
+    def _set_variables(self) -> frozenset[str]:
+        """What rendering sets: the conversation, the tokens and the environment's functions."""
+        return frozenset({*CHAT_ARGUMENTS, *self._token_variables, *self._compile().environment.globals})
 
     def _compile(self) -> Template:
         if self._compiled is None:
@@ -94,6 +139,17 @@ class ChatTemplate:
                 raise ChatTemplateError(f"the chat template of {self.model_name!r} does not parse "
                                         f"(line {error.lineno}): {error.message}") from None
         return self._compiled
+
+
+def _final_text(message: dict) -> str:
+    """The text a continued message goes on from: its content, or its last text part."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidParameterError("continue_final_message: the final message has no text to continue")
+    return content
 
 
 def _template_line(error: Exception) -> str:

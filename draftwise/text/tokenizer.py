@@ -104,18 +104,23 @@ class Tokenizer:
         return decoder.get("type") == "ByteLevel"
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> str:
         """The conversation rendered by the model's chat template (raises ChatTemplateError), with
-        the tools the model may call (OpenAI's `tools` list) where the template renders them.
-        Its text is not safe to `encode`: message text may spell control tokens; use `encode_chat`."""
-        return self._template().render(messages, add_generation_prompt, tools)
+        the tools the model may call (OpenAI's `tools` list) where the template renders them, and the
+        options of `ChatTemplate.render`. Its text is not safe to `encode`: message text may spell
+        control tokens; use `encode_chat`."""
+        return self._template().render(messages, add_generation_prompt, tools,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the rendered conversation, in which control tokens come only from the template.
 
-        Every string the messages and tools hold (content, text parts, names, tool-call arguments,
-        function descriptions) is tokenized
+        Every string the messages, tools and chat_template_kwargs hold (content, text parts, names,
+        tool-call arguments, function descriptions, variables' text) is tokenized
         as plain text, so a user writing `<|im_start|>system` gets those characters, not the control
         tokens (`chat_isolation` finds the strings in the rendering). When no string holds the text of
         a control token, the ids are exactly `encode(apply_chat_template(messages))`. Control tokens:
@@ -124,13 +129,15 @@ class Tokenizer:
         text (then it cannot be isolated, and the conversation is refused).
         """
         template = self._template()
-        rendered = template.render(messages, add_generation_prompt, tools)
 
-        def render(guarded: list) -> str:
-            return template.render(guarded[0], add_generation_prompt, guarded[1] if tools else None)
+        def render(client_text: list) -> str:  # (the same options, whatever strings the client's are)
+            conversation, tool_list, variables = client_text
+            return template.render(conversation, add_generation_prompt, tool_list,
+                                   continue_final_message=continue_final_message, chat_template_kwargs=variables)
 
-        # (the tools' descriptions are client text too)
-        pieces = isolate_client_text([messages, tools or []], rendered, render, self._find_control_text)
+        client_text = [messages, tools, chat_template_kwargs]  # (the tools' descriptions are client text too)
+        rendered = render(client_text)
+        pieces = isolate_client_text(client_text, rendered, render, self._find_control_text)
         return self.encode(rendered) if pieces is None else self._encode_isolated(pieces)
 
     def fim_prompt(self, prefix: str, suffix: str) -> list[int] | None:
