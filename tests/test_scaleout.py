@@ -155,6 +155,53 @@ def test_the_ingress_reads_no_body_past_its_limit():
     assert asyncio.run(limited_body(declared, 1024)) is None and read == []
 
 
+def test_each_api_key_is_a_tenant_across_the_ingress_and_its_replicas(tiny_qwen):
+    """The ingress finds the key's tenant and the replica's server drafts from that tenant's text only
+    (its own server checks no key): the two halves of the path, without a cluster."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from draftwise import LLM
+    from draftwise.scaleout.asgi_call import call_asgi
+    from draftwise.scaleout.ingress import Ingress
+    from draftwise.server.app import build_app
+    from draftwise.server.async_engine import AsyncEngine
+    from draftwise.server.security import tenant_of
+
+    from types import SimpleNamespace
+
+    from draftwise.server.security import api_keys
+
+    ingress = SimpleNamespace(allowed_hosts=frozenset({"*"}), api_keys=api_keys(["alpha", "beta"]))
+    check_key = Ingress.func_or_class._check_key  # (Ray Serve builds the deployment: its check alone here)
+
+    def request_with(key: str) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                        "headers": [(b"host", b"localhost"), (b"authorization", f"Bearer {key}".encode())]})
+
+    beta = request_with("beta")
+    assert check_key(ingress, beta) is None and beta.state.tenant == tenant_of(b"beta")
+    assert check_key(ingress, request_with("gamma")).status_code == 401
+
+    llm = LLM(str(tiny_qwen), max_model_len=128, progress=False)
+    llm.prepare_drafter("suffix")
+    engine = AsyncEngine(llm)
+    app = build_app(engine, "tiny")
+    body = json.dumps({"model": "tiny", "prompt": "one two", "max_tokens": 4, "temperature": 0,
+                       "speculative": {"method": "suffix"}}).encode()
+
+    async def answer() -> list:
+        return [item async for item in call_asgi(app, "POST", "/v1/completions", "", [("content-type", "application/json")],
+                                                 body, {"tenant": beta.state.tenant})]
+
+    try:
+        assert asyncio.run(answer())[0]["status"] == 200
+    finally:
+        engine.drain(0.0)
+    assert set(llm.engine.drafters["suffix"].proposer.cache.partitions) == {tenant_of(b"beta")}
+
+
 def test_scale_out_flags_are_checked_before_anything_starts(tiny_qwen):
     from draftwise.scaleout.application import build
 

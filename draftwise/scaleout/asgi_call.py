@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 
 
 async def call_asgi(app, method: str, path: str, query: str, headers: list[tuple[str, str]],
-                    body: bytes) -> AsyncIterator[dict | bytes]:
-    """Yields {"status": int, "headers": [(name, value), ...]} once, then the body's chunks (bytes)."""
+                    body: bytes, state: dict | None = None) -> AsyncIterator[dict | bytes]:
+    """Yields {"status": int, "headers": [(name, value), ...]} once, then the body's chunks (bytes).
+    state: the request's `request.state` as middleware would have set it (the API key's tenant)."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
              "path": path, "raw_path": path.encode(), "root_path": "", "query_string": query.encode(),
              "headers": [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers],
-             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80)}
+             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80), "state": dict(state or {})}
     messages: asyncio.Queue[dict | None] = asyncio.Queue()
     disconnected = asyncio.Event()
     request_sent = False

@@ -25,7 +25,7 @@ from draftwise.scaleout.metrics import IngressMetrics
 from draftwise.scaleout.routing import NoReplicaError, Router
 from draftwise.server.protocol import error_body
 from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
-from draftwise.server.security import api_keys, host_name
+from draftwise.server.security import api_keys, host_name, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ class Ingress:
 
     # --- everything else: one replica answers -----------------------------------------------
     def _check_key(self, request: Request) -> Response | None:
-        """The Host allowlist and the API key, as one server checks them (its replicas take any Host)."""
+        """The Host allowlist and the API key, as one server checks them (its replicas take any Host);
+        the key's tenant is left in request.state for the replica (`_tenant`)."""
         host = host_name(request.headers.get("host", ""))
         if "*" not in self.allowed_hosts and host not in self.allowed_hosts:
             return JSONResponse(error_body(f"Host {host!r} is not allowed here (allowed: "
@@ -179,7 +180,9 @@ class Ingress:
         if not self.api_keys:
             return None
         given = request.headers.get("authorization", "").encode()
-        if any([secrets.compare_digest(given, f"Bearer {key}".encode()) for key in self.api_keys]):
+        matches = [secrets.compare_digest(given, f"Bearer {key}".encode()) for key in self.api_keys]
+        if any(matches):
+            request.state.tenant = tenant_of(self.api_keys[matches.index(True)].encode())
             return None
         return JSONResponse(error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"),
                             status_code=401)
@@ -207,7 +210,8 @@ class Ingress:
             index = choice.replica
             self.metrics.routed.labels(str(index), choice.outcome).inc()
             stream = self.replicas[index].options(stream=True).forward.remote(
-                request.method, request.url.path, request.url.query, headers, body)
+                request.method, request.url.path, request.url.query, headers, body,
+                getattr(request.state, "tenant", None))
             try:
                 head = await stream.__anext__()
                 break

@@ -16,11 +16,13 @@ class EngineReplica:
         self.index, self.threads = index, threads
         self.app, self.engine = make_server(serve_argv)
 
-    async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes):
-        """The response to one HTTP request: its status and headers, then its body as produced."""
+    async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
+                      tenant: str | None = None):
+        """The response to one HTTP request: its status and headers, then its body as produced.
+        tenant: the API key's, as the ingress found it (the replica's server checks no key)."""
         from draftwise.scaleout.asgi_call import call_asgi
 
-        async for item in call_asgi(self.app, method, path, query, headers, body):
+        async for item in call_asgi(self.app, method, path, query, headers, body, {"tenant": tenant}):
             yield item
 
     async def status(self) -> dict:
