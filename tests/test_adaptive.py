@@ -207,7 +207,7 @@ def test_policy_expects_the_tokens_left_from_finished_requests():
     assert policy.overall.expected_tokens_left(0) is None  # no history yet: ski rental
     for i, length in enumerate([20, 30, 100, 200, 300]):
         seq = SimpleNamespace(request_id=str(i), params=SimpleNamespace(seed=None), num_tokens_left=10,
-                              output_ids=[0] * length)
+                              output_ids=[0] * length, finish_reason="stop")
         policy.num_tokens([seq], [1])
         policy.release(seq)
     assert policy.overall.expected_tokens_left(0) == pytest.approx(130)
@@ -372,7 +372,8 @@ def test_each_traffic_segment_keeps_its_own_memory():
 
     def request(name, segment, length):
         return SimpleNamespace(request_id=name, segment=segment, params=SimpleNamespace(seed=None, greedy=True),
-                               num_tokens_left=1000 - length, output_ids=[0] * length)
+                               num_tokens_left=1000 - length, output_ids=[0] * length,
+                               finish_reason="length")
 
     for i in range(6):
         for segment, length in (("translation", 20), ("code", 400)):
@@ -398,7 +399,8 @@ def test_a_new_segment_expects_lengths_from_all_traffic_until_it_has_its_own():
 
     def request(name, segment, length):
         return SimpleNamespace(request_id=name, segment=segment, params=SimpleNamespace(seed=None, greedy=True),
-                               num_tokens_left=1000 - length, output_ids=[0] * length)
+                               num_tokens_left=1000 - length, output_ids=[0] * length,
+                               finish_reason="length")
 
     first = request("q0", "qa", 0)
     assert policy.expected_tokens_left(first, 0) is None  # nothing finished anywhere: ski rental

@@ -69,6 +69,30 @@ def test_a_ctrl_c_inside_a_step_harms_no_other_request(drafting, plain, monkeypa
     assert drafting.generate(PROMPTS[2], GREEDY)[0].token_ids == expected
 
 
+def test_a_ctrl_c_inside_a_prefill_leaves_that_request_waiting_and_the_engine_stepping(drafting, plain,
+                                                                                      monkeypatch):
+    """Interrupted while a new request's prompt runs: that request goes back to the queue (it held no
+    row yet), and every request then finishes exactly as plain decoding computes it."""
+    first = drafting.add_request(PROMPTS[0], GREEDY)
+    drafting.step()  # (its prefill)
+    second = drafting.add_request(PROMPTS[1], GREEDY)
+    drafting.step()  # (a decoding step: the next one admits the second request)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(drafting.runner, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        drafting.step()
+    monkeypatch.undo()
+    finished = {}
+    while drafting.has_unfinished_requests():
+        finished.update({o.request_id: o for o in drafting.step() if o.finished})
+    assert {request_id: finished[request_id].token_ids for request_id in (first, second)} == {
+        first: plain.generate(PROMPTS[0], GREEDY)[0].token_ids, second: plain.generate(PROMPTS[1], GREEDY)[0].token_ids}
+    assert drafting.engine_stats()["kv_blocks_in_use"] == 0
+
+
 def test_a_stream_another_call_finished_still_ends_with_its_output(plain):
     stream = plain.stream(PROMPTS[0], GREEDY)
     first = next(stream)

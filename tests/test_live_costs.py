@@ -231,3 +231,92 @@ def test_the_engine_learns_costs_while_serving_and_stops_drafting_when_they_chan
     assert stopped <= WINDOW and costs.draft_seconds(1) > 10 * costs.prior.draft_seconds(1)
     stats = llm.engine_stats()
     assert 0 < stats["drafting_steps"] < stats["decode_steps"] and stats["predicted_over_observed"]
+
+
+def test_drafting_resets_the_plain_steps_a_probe_counts():
+    """A probe's budget is a share of the plain steps since drafting last: after a drafting stretch
+    the count starts again, so the first plain step that follows is no probe."""
+    controller = GoodputController(synthetic(), 4, AcceptanceEstimate.prior(4, 0.0))
+    interval = controller._interval
+    assert [controller.choose() for _ in range(interval - 1)] == [0] * (interval - 1)  # one short of a probe
+    controller.estimate = AcceptanceEstimate.prior(4, 0.95)
+    for _ in range(20):
+        k = controller.choose()
+        assert k > 0
+        controller.observe(k, k)
+    controller.estimate = AcceptanceEstimate.prior(4, 0.0)
+    assert controller.choose() == 0  # (counting from drafting's end: not yet a probe)
+
+
+def test_an_aborted_or_failed_request_is_no_answer_length():
+    """Lengths of finished answers forecast how long a request runs (the horizon a catch-up must pay
+    back in); a client that went away or a failure says nothing about that."""
+    from draftwise.speculative.control.policy import AdaptiveLength
+
+    policy = AdaptiveLength(synthetic(), 4)
+    for i, (length, reason) in enumerate([(3, "abort"), (2, "error"), (40, "stop"), (60, "length")]):
+        seq = SimpleNamespace(request_id=str(i), segment=None, params=SimpleNamespace(seed=None, greedy=True),
+                              num_tokens_left=100, output_ids=[0] * length, finish_reason=reason)
+        policy.num_tokens([seq], [1])
+        policy.release(seq)
+    assert list(policy.overall.lengths) == [40, 60]
+
+
+def test_a_draft_call_charges_no_catch_up_for_rows_that_drafted_nothing(tiny_qwen, tmp_path, monkeypatch):
+    """A row renting plain steps keeps its backlog; the call of the rows that drafted is timed
+    without it (else the live catch-up cost is learnt as about zero)."""
+    monkeypatch.setenv(profile.PROFILES_ENV, str(tmp_path / "profiles"))
+    llm = LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=2, progress=False,
+              speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 3,
+                           "draft_vocab_size": None, "draft_context_window": None})
+    drafter = llm.engine.drafters["draft"]
+    monkeypatch.setattr(drafter.draft_length, "num_tokens",
+                        lambda seqs, lags, batch_size=None: [3] + [0] * (len(seqs) - 1))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.add_request("def add(a, b):", greedy)
+    llm.step()  # (the prompt)
+    renting = llm._live[llm.add_request("x" * 40, greedy)]  # its row drafts nothing: its backlog stays
+    for _ in range(4):  # (its prompt's step, then a decoding step of both rows)
+        llm.step()
+        call = llm.engine._draft_calls.get("draft")
+        if call is not None and len(call.num_tokens) == 2:
+            break
+    assert sorted(zip(call.num_tokens, call.lags))[0] == (0, 0) and max(call.num_tokens) > 0
+    assert drafter.proposer.lag(renting) > 2
+
+
+def test_acceptance_counts_no_draft_token_past_the_end_of_the_answer(tiny_qwen):
+    """A stop token inside an accepted draft ends the answer there: the drafts after it were
+    verified but never emitted, so they are not counted as accepted (the target drafting for itself)."""
+    plain = LLM(str(tiny_qwen), max_model_len=128, progress=False)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = list(plain.generate("one two", greedy)[0].outputs[0].token_ids)
+    llm = LLM(str(tiny_qwen), max_model_len=128, progress=False,
+              speculative={"method": "draft", "model": str(tiny_qwen), "num_speculative_tokens": 4,
+                           "adaptive": False, "draft_vocab_size": None, "draft_context_window": None})
+    stop = reference[2]
+    out = llm.generate("one two", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                stop_token_ids=[stop]))[0]
+    generated = out.outputs[0].token_ids
+    assert list(generated) == reference[:reference.index(stop) + 1]
+    spec = out.metrics.spec
+    assert spec.num_accepted_tokens <= len(generated) and spec.num_accepted_tokens == len(generated) - 1
+
+
+def test_current_k_of_a_drafter_without_rows_is_zero_not_its_last_value(tiny_qwen):
+    llm = LLM(str(tiny_qwen), max_model_len=128, progress=False,
+              speculative={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    llm.prepare_drafter("suffix")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    suffix = llm.add_request("a b a b a b a b", long, speculative={"method": "suffix", "num_speculative_tokens": 3})
+    for _ in range(20):
+        llm.step()
+        if llm.engine_stats()["current_k"].get("suffix"):
+            break
+    assert llm.engine_stats()["current_k"]["suffix"] > 0
+    llm.abort_request(suffix)
+    llm.add_request("a b a b a b a b", greedy)  # (the LLM's ngram alone)
+    llm.step()
+    llm.step()
+    assert llm.engine_stats()["current_k"]["suffix"] == 0.0

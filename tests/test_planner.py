@@ -170,6 +170,8 @@ def test_plan_end_to_end_on_a_tiny_model(tiny_qwen, tmp_path, monkeypatch):
             costs.write(tmp_path / folder / f"{name}.json")
     free = predict_on_device(paths["json"], tmp_path / "free")
     assert free.best[1]["config"].startswith("draft") and free.best[1]["speedup"] > 2 and not free.missing
+    # (a validated plan's levels above validate_max_concurrency are free to predict: nothing is validated)
+    assert set(predict_on_device(paths["json"], tmp_path / "free", concurrency=(16, 64)).best) == {16, 64}
     linear = predict_on_device(paths["json"], tmp_path / "linear")
     assert all(b["config"] == "plain" for b in linear.best.values()) and linear.switch_off_at == 1
     (tmp_path / "free" / "ngram.json").unlink()

@@ -101,6 +101,8 @@ class Engine:
             for seq in step.seqs:
                 if seq.finished:
                     self._retire(seq)
+                elif seq.row is None:  # (its prefill never finished: it waits to be admitted again)
+                    self.scheduler.requeue(seq)
             raise
         for seq in step.seqs:
             if seq.finished:
@@ -192,6 +194,7 @@ class Engine:
         drafts = [Draft([]) for _ in batch]
         skipped = [False] * len(batch)
         forced = self._on_grammar(forced_drafts, batch, self.drafters, self._draft_rate)  # row -> forced tokens
+        self.last_num_tokens = dict.fromkeys(self.drafters, 0.0)  # (a drafter without rows in this step drafts none)
         for method, rows in rows_by_method(batch).items():
             drafter = self.drafters[method]
             seqs = [batch[b] for b in rows]
@@ -210,7 +213,8 @@ class Engine:
             start = time.perf_counter()
             proposals = drafter.proposer.propose(seqs, num_tokens)
             elapsed = time.perf_counter() - start
-            self._draft_calls[method] = DraftCall(num_tokens, elapsed, lags)
+            # (a row drafting nothing absorbed nothing: its backlog is no part of the call's time)
+            self._draft_calls[method] = DraftCall(num_tokens, elapsed, [lag if k else 0 for lag, k in zip(lags, num_tokens)])
             beside = len(batch) - 1  # the step's other rows, counted as plain ones
             for b, draft in zip(rows, proposals):
                 if draft.scores is not None and drafter.costs is not None:  # a tree: the part that pays
@@ -323,8 +327,8 @@ class Engine:
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
             self.runner.register_prefix(seq.row, self._shareable(seq))
-            if not skip:
-                seq.metrics.spec.record(drafted, accepted, draft.depth())
+            if not skip:  # (accepted drafts past an end token are not committed: not counted as accepted)
+                seq.metrics.spec.record(drafted, min(accepted, committed), draft.depth())
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted

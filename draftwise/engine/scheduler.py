@@ -76,6 +76,13 @@ class Scheduler:
             return None
         return ScheduledStep(list(self.running), is_prefill=False)
 
+    def requeue(self, seq: Sequence) -> None:
+        """A running request that holds no row (its prefill was interrupted) back to the front of the
+        queue, where it was before the step."""
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self._last_was_prefill = False
+
     def remove(self, seq: Sequence) -> None:
         """A finished or aborted request leaves (its blocks are freed by its owner)."""
         if seq in self.waiting:

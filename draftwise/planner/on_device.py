@@ -46,7 +46,8 @@ def predict_on_device(plan_path: Path, costs_folder: Path,
     if plain is None:
         raise InvalidParameterError(f"{costs_folder}: no plain.json cost model (written by `draftwise bench "
                                     f"--suite gpu`, under <output>/costs)")
-    options = PlanOptions(**{**plan["options"], "concurrency": concurrency or tuple(plan["options"]["concurrency"])})
+    options = PlanOptions(**{**plan["options"], "concurrency": concurrency or tuple(plan["options"]["concurrency"]),
+                             "validate": False})  # (a prediction validates nothing: its levels are free)
     costs, acceptance, windows, replays, missing = {}, {}, {}, {}, []
     for facts in plan["drafters"]:
         method = facts["method"]  # an entry with options has no cost model of its own there

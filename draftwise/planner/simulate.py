@@ -152,6 +152,10 @@ class _Running:
         return range(self.request.output_tokens - math.ceil(self.remaining))
 
     @property
+    def finish_reason(self) -> str:  # (read when it is released: a simulated request ends only as its answer did)
+        return "stop"
+
+    @property
     def num_tokens_left(self) -> int:
         return math.ceil(self.remaining)
 

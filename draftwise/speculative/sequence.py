@@ -16,6 +16,7 @@ class SequenceState(Protocol):
     segment: str | None  # a traffic label: the controller keeps statistics per segment
     tenant: str | None  # whose request (the server's API key): text drafted from others' requests stays within it
     output_ids: list[int]  # tokens generated so far
+    finish_reason: str | None  # why it ended ("stop", "length", "abort", "error"); None while it runs
     grammar: RequestGrammar | None  # structured outputs: the output's place in its grammar (None: free)
     bad_words_ids: list[list[int]]  # params.bad_words as token ids (the logits processors read them)
 

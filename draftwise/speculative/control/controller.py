@@ -239,13 +239,12 @@ class GoodputController:
             k = 0
         elif k:
             k = min(k, self.estimate.depth_cap())  # (the catch-up was weighed against the long-run saving)
-        elif k == 0:
+            self._plain_steps = 0  # (a probe's budget counts the plain steps since drafting last)
+        else:
             self._plain_steps += 1
             if self._plain_steps >= self._interval and self._probe_is_cheap(catch_up, horizon):
                 self._plain_steps, self._probing = 0, True
                 return 1
-        else:
-            self._plain_steps = 0
         if k == 0:
             self.estimate.drift()
         return k

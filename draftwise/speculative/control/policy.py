@@ -145,8 +145,8 @@ class AdaptiveLength:
             memory.interval = controller.interval
 
     def release(self, seq: SequenceState) -> None:
-        if self._controllers.pop(seq.request_id, None) is not None:
-            for memory in self._memories(seq):
+        if self._controllers.pop(seq.request_id, None) is not None and seq.finish_reason in ("stop", "length"):
+            for memory in self._memories(seq):  # (an aborted or failed request says nothing of answers' lengths)
                 memory.lengths.append(len(seq.output_ids))
 
     def _memories(self, seq: SequenceState) -> list[TrafficMemory]:

@@ -83,7 +83,7 @@ def load_or_measure(key: str, runner: ModelRunner, proposer: Proposer | None, to
     used for this run and nothing is cached."""
     path = profile_path(key)
     cached = None if refresh else CostModel.read(path)
-    if (cached is not None and cached.key == key and max(cached.target) >= max(TARGET_SIZES)
+    if (cached is not None and cached.key == key and max(cached.target, default=0) >= max(TARGET_SIZES)
             and (proposer is None or max(cached.draft, default=0) >= max_draft_tokens)
             and contamination(cached) is None):
         return cached
@@ -171,6 +171,7 @@ class ProfilingSequence:
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=None))
     segment: None = None
     tenant: None = None
+    finish_reason: None = None
     output_ids: list[int] = field(default_factory=list)
 
     @property
