@@ -170,3 +170,19 @@ def test_a_batched_step_computes_what_each_row_alone_computes():
         batched = head.step(features, embeddings, positions, caches)
     torch.testing.assert_close(batched, torch.stack(alone), rtol=1e-5, atol=1e-5)
     assert [cache.length for cache in caches] == [4, 8, 2]
+
+
+def test_speculators_tensors_the_head_does_not_compute_are_refused_by_name(tmp_path):
+    folder = speculators_folder(tmp_path, random_head(3))
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "embedding_layernorm.weight": torch.ones(32)}, str(folder / "model.safetensors"))
+    with pytest.raises(InvalidParameterError, match="does not compute: embedding_layernorm.weight"):
+        read_eagle(folder, 32, VOCAB, lambda: torch.arange(VOCAB))
+
+
+def test_a_head_whose_mlp_gate_is_not_silu_is_refused(tmp_path):
+    save_eagle(tmp_path, random_head(), VOCAB, {})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(InvalidParameterError, match="hidden_act 'gelu' is not supported"):
+        read_eagle(tmp_path, 32, VOCAB, lambda: torch.arange(VOCAB))

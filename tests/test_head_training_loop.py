@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from draftwise.errors import InvalidParameterError
 from draftwise.speculative.heads import training
 from draftwise.speculative.heads.training import Example, TrainSettings, train_epochs
 
@@ -88,3 +89,20 @@ def test_bad_training_settings_are_refused_by_name(field, value):
 
     with pytest.raises(InvalidParameterError, match=field):
         TrainSettings(**{field: value})
+
+
+def test_a_checkpoint_of_a_run_with_other_settings_or_data_is_not_resumed(tmp_path):
+    """Resumed into another run, a checkpoint would carry its schedule's length (epochs) or its
+    vocabulary's rows over: refused by what differs; a save leaves no partial file behind."""
+    def run(settings: TrainSettings, count: int = 12) -> None:
+        head = nn.Linear(8, 8)
+        train_epochs(head, examples(count), examples(2), settings,
+                     lambda e: (head(e.hidden[:-1]) - e.hidden[1:]).pow(2).mean(), lambda: [0.0],
+                     checkpoint=tmp_path / "checkpoint.pt", progress=False)
+
+    run(TrainSettings(epochs=1, batch_size=8, bf16=False))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    with pytest.raises(InvalidParameterError, match="made with other epochs"):
+        run(TrainSettings(epochs=3, batch_size=8, bf16=False))
+    with pytest.raises(InvalidParameterError, match="made with other training examples"):
+        run(TrainSettings(epochs=1, batch_size=8, bf16=False), count=10)

@@ -76,7 +76,7 @@ def train_eagle_head(model, tokenizer, target_name: str, examples: list[Example]
                      folder: Path, notes: dict, progress: bool = True) -> TrainResult:
     """A head over the answers' tokens and the most frequent others, trained and saved to `folder`."""
     config = model.config
-    kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
+    kept = training_vocabulary(examples, tokenizer, settings)
     torch.manual_seed(settings.seed)
     head = EagleHead(head_shape(config, settings.head_width), kept)
     lm_rows = head_rows(model, head.kept_ids).float().detach().cpu()  # [N, H], frozen

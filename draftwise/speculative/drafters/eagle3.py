@@ -81,7 +81,7 @@ def train_eagle3_head(model, tokenizer, target_name: str, examples: list[Example
     """A head over the answers' tokens and the most frequent others (its LM head starting as the
     target's rows of them), trained with training-time test and saved to `folder`."""
     config = model.config
-    kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
+    kept = training_vocabulary(examples, tokenizer, settings)
     torch.manual_seed(settings.seed)
     head = Eagle3Head(head_shape(config, settings.head_width), kept)
     with torch.no_grad():  # its LM head starts as the target's rows (its norm as ones: see eagle3_training.py)
@@ -96,6 +96,7 @@ def train_eagle3_head(model, tokenizer, target_name: str, examples: list[Example
     save_eagle3(folder, head, config.vocab_size, default_aux_layers(config.num_hidden_layers), target_name,
                 max_position_embeddings=config.max_position_embeddings, draftwise={
                     "kind": KIND, "target": target_name, "kept_tokens": len(kept),
+                    "target_layers": config.num_hidden_layers,
                     "training": {**notes, "train_positions": result.train_positions,
                                  "heldout_positions": result.heldout_positions, "settings": asdict(settings),
                                  "epochs": [asdict(r) for r in result.reports]}})

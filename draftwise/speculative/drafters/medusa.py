@@ -124,7 +124,7 @@ def train_medusa_head(model, tokenizer, target_name: str, examples: list[Example
                       folder: Path, notes: dict, progress: bool = True) -> TrainResult:
     """Heads over the answers' tokens and the most frequent others, trained and saved to `folder`."""
     config = model.config
-    kept = training_vocabulary(examples, tokenizer, settings.kept_tokens)
+    kept = training_vocabulary(examples, tokenizer, settings)
     heads = MedusaHeads(config.hidden_size, settings.num_heads, kept)
     lm_rows = head_rows(model, heads.kept_ids).float().detach().cpu()  # [N, H], frozen
     result = train_medusa(heads, lm_rows, examples, config.vocab_size, settings, folder / "checkpoint.pt", progress)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from draftwise.errors import InvalidParameterError, ModelFormatError
 from draftwise.speculative.heads.eagle3 import Eagle3Head, Eagle3Shape
-from draftwise.speculative.heads.eagle_format import refuse_rope_scaling
+from draftwise.speculative.heads.eagle_format import head_weight_files, refuse_rope_scaling
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -90,7 +90,7 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
     checked against the target's hidden size, vocabulary and depth; kind: the drafter reading it,
     refusing a draftwise head saved by another."""
     config_path = folder / CONFIG
-    weight_files = sorted(folder.glob("*.safetensors"))
+    weight_files = head_weight_files(folder, WEIGHTS)
     if config_path.is_file() and not weight_files and any(folder.glob("*.bin")):
         raise InvalidParameterError(f"{folder}: weights in PyTorch's pickle format (*.bin); draftwise reads "
                                     "safetensors only (convert them, e.g. with safetensors.torch.save_file)")
@@ -127,12 +127,17 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
                                     "draftwise serves one-layer heads")
     tensors = {("layers.0." + name.removeprefix("midlayer.")) if name.startswith("midlayer.") else name: t
                for name, t in tensors.items()}
+    made_for = ours.get("target_layers") if isinstance(ours, dict) else None
+    if made_for is not None and made_for != num_layers:  # (its layer ids would read other layers of this one)
+        raise InvalidParameterError(f"{folder}: made for a target of {made_for} layers; this target has {num_layers}")
     aux = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(num_layers)
     if not isinstance(aux, (list, tuple)) or len(aux) != 3 \
             or not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= num_layers for i in aux):
         raise InvalidParameterError(f"{folder}: eagle_aux_hidden_state_layer_ids {aux} do not fit a target of "
                                     f"{num_layers} layers (three ids in 1..{num_layers})")
-    shape = _shape(folder, layer_config, bool(config.get("norm_before_residual", False)))
+    # (speculators' configs leave it out where it is on, as vLLM reads them; the EAGLE-3 repository's where off)
+    norm_before_residual = config.get("norm_before_residual", "speculators_model_type" in config)
+    shape = _shape(folder, layer_config, bool(norm_before_residual))
     target_hidden = config.get("target_hidden_size") or shape.hidden_size
     if shape.hidden_size != hidden_size or target_hidden != hidden_size \
             or _count(folder, layer_config.get("vocab_size", vocab_size), "vocab_size") != vocab_size:
@@ -140,6 +145,9 @@ def read_eagle3(folder: Path, hidden_size: int, vocab_size: int, num_layers: int
             f"{folder}: made for hidden size {target_hidden} and {layer_config.get('vocab_size')} tokens; "
             f"this target has {hidden_size} and {vocab_size}")
     kept = _draft_vocabulary(folder, tensors, vocab_size)
+    said = config.get("draft_vocab_size", layer_config.get("draft_vocab_size"))
+    if said is not None and said != len(kept):
+        raise ModelFormatError(f"{folder}: draft_vocab_size {said!r}, but lm_head.weight scores {len(kept)} tokens")
     head = Eagle3Head(shape, kept)
     try:
         state = {"fc.weight": tensors["fc.weight"],

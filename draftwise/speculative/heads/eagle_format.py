@@ -69,7 +69,7 @@ def read_eagle(folder: Path, hidden_size: int, vocab_size: int, default_kept: Ca
     and vocabulary. default_kept() [N]: the vocabulary a head from elsewhere scores (ours keep theirs);
     kind: the drafter reading it, refusing a draftwise head saved by another."""
     config_path = folder / CONFIG
-    weight_files = sorted(folder.glob("*.safetensors"))
+    weight_files = head_weight_files(folder, WEIGHTS)
     if not config_path.is_file() or not weight_files:
         raise InvalidParameterError(f"{folder}: not an EAGLE head folder ({CONFIG} and *.safetensors expected)")
     try:
@@ -132,12 +132,16 @@ def _from_speculators(folder: Path, config: dict, tensors: dict) -> tuple[dict, 
     for variant in ("layernorms", "fusion_bias"):
         if config.get(variant):
             raise InvalidParameterError(f"{folder}: {variant}=true (the HASS variant) is not supported")
-    renamed = {}
+    renamed, unknown = {}, []
     for name, tensor in tensors.items():
         if name.startswith("fusion_fc."):
             renamed["fc." + name.removeprefix("fusion_fc.")] = tensor
         elif name.startswith("transformer."):
             renamed["layers.0." + name.removeprefix("transformer.")] = tensor
+        elif name not in ("embed_tokens.weight", "lm_head.weight"):  # (copies of the target's: its own are used)
+            unknown.append(name)
+    if unknown:
+        raise InvalidParameterError(f"{folder}: tensors this EAGLE head does not compute: {', '.join(sorted(unknown))}")
     layer_config = config.get("transformer_layer_config")
     if not isinstance(layer_config, dict):
         raise ModelFormatError(f"{folder}: speculators config without transformer_layer_config")
@@ -146,7 +150,12 @@ def _from_speculators(folder: Path, config: dict, tensors: dict) -> tuple[dict, 
 
 def refuse_rope_scaling(folder: Path, layer_config: dict) -> None:
     """A head whose layer scales its rotary embedding is refused: draftwise's heads use plain RoPE
-    (its positions would be rotated otherwise than it was trained with)."""
+    (its positions would be rotated otherwise than it was trained with); so is one whose MLP gate is
+    not SiLU (draftwise's heads compute SwiGLU)."""
+    activation = layer_config.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        raise InvalidParameterError(f"{folder}: the head's hidden_act {activation!r} is not supported: draftwise's "
+                                    "head computes SiLU")
     for option in ("rope_scaling", "rope_parameters"):
         scaling = layer_config.get(option)
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
@@ -162,7 +171,8 @@ def _shape(folder: Path, config: dict, has_qkv_bias: bool) -> EagleShape:
         hidden = int(config["hidden_size"])
         return EagleShape(hidden, heads, int(config.get("num_key_value_heads", heads)),
                           int(config.get("head_dim") or hidden // heads), int(config["intermediate_size"]),
-                          float(config.get("rope_theta", 10000.0)), float(config.get("rms_norm_eps", 1e-6)),
+                          float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+                                or 10000.0), float(config.get("rms_norm_eps", 1e-6)),
                           has_qkv_bias)
     except (KeyError, TypeError, ValueError) as error:
         raise ModelFormatError(f"{folder}/{CONFIG}: incomplete layer config ({error})") from None
@@ -174,3 +184,10 @@ def _ours(folder: Path, config: dict) -> dict:
     if ours is not None and not isinstance(ours, dict):
         raise ModelFormatError(f"{folder}/{CONFIG}: \"draftwise\" must be an object")
     return ours or {}
+
+
+def head_weight_files(folder: Path, weights: str) -> list[Path]:
+    """The head's weight files: `weights` where the folder has it (another head's files left beside it,
+    e.g. a Medusa head trained into the same --out, are not this head's), else every *.safetensors
+    (a checkpoint from elsewhere, in shards)."""
+    return [folder / weights] if (folder / weights).is_file() else sorted(folder.glob("*.safetensors"))

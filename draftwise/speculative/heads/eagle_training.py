@@ -45,11 +45,11 @@ def train_eagle(head: EagleHead, lm_rows: torch.Tensor, embed: Callable[[torch.T
     index = kept_index_map(head.kept_ids, vocab_size)
     with torch.no_grad():
         embedded = {id(e): embed(e.token_ids).float().clone() for e in train + heldout}  # [S, H] each
-    noise = torch.Generator().manual_seed(settings.seed + 1)  # the input features' noise
+    noise = torch.Generator()  # the input features' noise, seeded by epoch (a resumed run draws the same)
     return train_epochs(head, train, heldout, settings,
                         lambda e: example_loss(head, lm_rows, e, embedded[id(e)], index, noise),
                         lambda: acceptance_per_position(head, lm_rows, heldout, embedded, embed, settings.num_heads),
-                        checkpoint, progress)
+                        checkpoint, progress, on_epoch=lambda epoch: noise.manual_seed(settings.seed + 1 + epoch))
 
 
 def example_loss(head: EagleHead, lm_rows: torch.Tensor, example: Example, embedded: torch.Tensor,

@@ -3,6 +3,7 @@ hidden states over it), settings, and per-epoch reports."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 from collections.abc import Callable
@@ -84,15 +85,18 @@ def split_heldout(examples: list[Example], settings: TrainSettings) -> tuple[lis
     nothing is held out (acceptance is then reported on the training examples)."""
     order = list(range(len(examples)))
     random.Random(settings.seed).shuffle(order)
-    count = max(1, round(len(examples) * settings.heldout_share)) \
-        if settings.heldout_share > 0 and len(examples) > 1 else 0
+    count = min(len(examples) - 1, max(1, round(len(examples) * settings.heldout_share))) \
+        if settings.heldout_share > 0 and len(examples) > 1 else 0  # (at least one example is trained on)
     heldout = [examples[i] for i in order[:count]]
     return [examples[i] for i in order[count:]] or heldout, heldout
 
 
-def training_vocabulary(examples: list[Example], tokenizer, size: int) -> torch.Tensor:
-    """[N] sorted ids a head scores: every token of the answers, then the most frequent others, ~size in all."""
-    answered = {int(t) for e in examples for t in e.token_ids[e.answer_start:]}
+def training_vocabulary(examples: list[Example], tokenizer, settings: TrainSettings) -> torch.Tensor:
+    """[N] sorted ids a head scores: every token of the training answers (not the held-out ones: their
+    tokens kept for them would make the held-out acceptance read high), then the most frequent others,
+    ~settings.kept_tokens in all."""
+    size = settings.kept_tokens
+    answered = {int(t) for e in split_heldout(examples, settings)[0] for t in e.token_ids[e.answer_start:]}
     ranked = kept_token_ids(tokenizer, size).tolist()
     return torch.tensor(sorted(answered | set(ranked[:max(0, size - len(answered))])), dtype=torch.long)
 
@@ -110,11 +114,14 @@ class Checkpoint:
             return 0
         try:
             state = torch.load(self.path, weights_only=False)
+            self._refuse_another_run(state, result)
             self.module.load_state_dict(state["weights"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.schedule.load_state_dict(state["schedule"])
             result.reports = [EpochReport(**report) for report in state["reports"]]
             return state["epoch"] + 1
+        except InvalidParameterError:
+            raise
         except (RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InvalidParameterError(
@@ -122,13 +129,34 @@ class Checkpoint:
                 f"another width, or a damaged file: {first}); delete it to start afresh, or resume with the "
                 f"settings it was made with") from None
 
+    def _refuse_another_run(self, state: dict, result: TrainResult) -> None:
+        """A checkpoint of a run with other settings or other examples would resume into this one (its
+        schedule's length, its vocabulary's rows): refused by what differs."""
+        run = {"settings": result.settings, "train_positions": result.train_positions,
+               "heldout_positions": result.heldout_positions}
+        saved = state.get("run")
+        if saved is None:  # (written before runs were recorded)
+            return
+        settings = [name for name in run["settings"] if saved["settings"].get(name) != run["settings"][name]]
+        differ = [f"other {', '.join(settings)}"] if settings else []
+        if saved["train_positions"] != run["train_positions"] or saved["heldout_positions"] != run["heldout_positions"]:
+            differ.append("other training examples")
+        if differ:
+            raise InvalidParameterError(
+                f"{self.path}: an interrupted run's checkpoint made with {' and '.join(differ)}; resume with "
+                "the same data and settings, or delete it to start afresh")
+
     def save(self, epoch: int, result: TrainResult) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")  # (an interrupted save leaves the last one whole)
         torch.save({"weights": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "schedule": self.schedule.state_dict(), "epoch": epoch,
-                    "reports": [asdict(r) for r in result.reports]}, self.path)
+                    "reports": [asdict(r) for r in result.reports],
+                    "run": {"settings": result.settings, "train_positions": result.train_positions,
+                            "heldout_positions": result.heldout_positions}}, partial)
+        os.replace(partial, self.path)
 
 
 def answer_positions(example: Example) -> int:
@@ -160,11 +188,14 @@ def native_bf16(device: torch.device) -> bool:
 
 def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], settings: TrainSettings,
                  example_loss: Callable[[Example], torch.Tensor], heldout_acceptance: Callable[[], list[float]],
-                 checkpoint: Path | None = None, progress: bool = True) -> TrainResult:
+                 checkpoint: Path | None = None, progress: bool = True,
+                 on_epoch: Callable[[int], None] | None = None) -> TrainResult:
     """A one-layer head's training loop (EAGLE-1, EAGLE-3): AdamW on its trainable parameters, a cosine
     schedule over every step, an optimizer step per group of about settings.batch_size answer positions
     (gradients accumulated over the group's examples, each weighted by its positions), a checkpoint
-    after every epoch that resumes, and after every epoch the held-out acceptance per position."""
+    after every epoch that resumes, and after every epoch the held-out acceptance per position.
+    on_epoch(epoch) runs before each epoch (a resumed run's first too): where a loss draws random
+    numbers, it seeds them by epoch, so that a resumed run draws what the uninterrupted one would."""
     trained = [p for p in head.parameters() if p.requires_grad]
     device = trained[0].device
     # fused: one pass over each tensor per step (the unfused update's temporaries are the size of the
@@ -182,6 +213,8 @@ def train_epochs(head: nn.Module, train: list[Example], heldout: list[Example], 
         torch.randperm(len(groups), generator=generator)
     for epoch in range(first_epoch, settings.epochs):
         head.train()
+        if on_epoch is not None:
+            on_epoch(epoch)
         shuffled = [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
         total, steps = 0.0, 0
         bar = tqdm(shuffled, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not progress, unit="step", leave=False)
