@@ -131,3 +131,14 @@ def test_a_per_request_enabled_that_is_not_a_bool_is_refused(tiny_qwen, enabled)
     llm = LLM(str(tiny_qwen), max_model_len=128, progress=False, speculative={"method": "ngram"})
     with pytest.raises(InvalidParameterError, match="speculative.enabled must be true or false"):
         llm.add_request(PROMPTS[0], GREEDY, speculative={"enabled": enabled})
+
+
+def test_resetting_the_prefix_cache_waits_for_a_running_step(plain):
+    """A step takes and frees blocks while it runs: a reset from another thread waits for it."""
+    done = threading.Event()
+    with plain._lock:  # (as a step on another thread holds it)
+        resetting = threading.Thread(target=lambda: (plain.reset_prefix_cache(), done.set()))
+        resetting.start()
+        assert not done.wait(0.3)
+    assert done.wait(10)
+    resetting.join()

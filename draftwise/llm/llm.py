@@ -458,11 +458,12 @@ class LLM:
         kept as free memory). Benchmarks call it so that requests run before are not prefilled from
         the cache when they are served again as new traffic. Drafters with a prefix cache of their
         own (a draft model's) reset theirs too."""
-        self.runner.blocks.reset_prefix_cache()
-        for drafter in self.engine.drafters.values():
-            reset = getattr(drafter.proposer, "reset_prefix_cache", None)
-            if reset is not None:
-                reset()
+        with self._lock:  # (between steps: a step takes and frees blocks while it runs)
+            self.runner.blocks.reset_prefix_cache()
+            for drafter in self.engine.drafters.values():
+                reset = getattr(drafter.proposer, "reset_prefix_cache", None)
+                if reset is not None:
+                    reset()
 
     def engine_stats(self) -> dict:
         """Queue lengths, KV blocks, and the mean k per drafter in the last step (for metrics)."""
