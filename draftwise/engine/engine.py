@@ -327,8 +327,8 @@ class Engine:
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
             self.runner.register_prefix(seq.row, self._shareable(seq))
-            if not skip:  # (accepted drafts past an end token are not committed: not counted as accepted)
-                seq.metrics.spec.record(drafted, min(accepted, committed), draft.depth())
+            if not skip:  # (what verification accepted, drafts past an end token too: the drafts' quality)
+                seq.metrics.spec.record(drafted, accepted, draft.depth())
             if drafted:
                 seq.metrics.spec.verify_seconds += elapsed
         return num_accepted
