@@ -176,13 +176,17 @@ def test_each_api_key_is_a_tenant_across_the_ingress_and_its_replicas(tiny_qwen)
     ingress = SimpleNamespace(allowed_hosts=frozenset({"*"}), api_keys=api_keys(["alpha", "beta"]))
     check_key = Ingress.func_or_class._check_key  # (Ray Serve builds the deployment: its check alone here)
 
-    def request_with(key: str) -> Request:
+    def request_with(key: str, scheme: str = "Bearer") -> Request:
         return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                        "headers": [(b"host", b"localhost"), (b"authorization", f"Bearer {key}".encode())]})
+                        "headers": [(b"host", b"localhost"), (b"authorization", f"{scheme} {key}".encode())]})
 
     beta = request_with("beta")
     assert check_key(ingress, beta) is None and beta.state.tenant == tenant_of(b"beta")
     assert check_key(ingress, request_with("gamma")).status_code == 401
+    # (the scheme in any case, as one server takes it; a key under another scheme is no key)
+    assert check_key(ingress, lowercase := request_with("alpha", "bearer")) is None
+    assert lowercase.state.tenant == tenant_of(b"alpha")
+    assert check_key(ingress, request_with("alpha", "Basic")).status_code == 401
 
     llm = LLM(str(tiny_qwen), max_model_len=128, progress=False)
     llm.prepare_drafter("suffix")

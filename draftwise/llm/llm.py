@@ -29,7 +29,7 @@ from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
-from draftwise.sampling.params import SEED_RANGE, SamplingParams
+from draftwise.sampling.params import SamplingParams, check_seed
 from draftwise.sampling.processors import bad_word_ids
 from draftwise.speculative.config import SpeculativeConfig
 from draftwise.speculative.control.cost_model import CostModel
@@ -88,9 +88,7 @@ class LLM:
         it (`RandomStream`): the same calls on LLMs built with the same seed give the same tokens. (vLLM
         seeds its worker's generators; here the stream is the LLM's own, whatever else the process
         draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before."""
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)
-                                 or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
-            raise InvalidParameterError(f"seed must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
+        check_seed(seed)
         for name, value in (("max_model_len", DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len),
                             ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -254,19 +252,20 @@ class LLM:
             raise type(error)(f"prompts[{index}]: {error}") from None
 
     def _make_sequence(self, prompt: str | TokensPrompt, params: SamplingParams,
-                       segment: str | None = None) -> Sequence:
+                       segment: str | None = None, tenant: str | None = None) -> Sequence:
         text, prompt_ids = prompt_parts(prompt)
         if prompt_ids is None:
             prompt_ids = self.tokenizer.encode(text)
         check_prompt_ids(prompt_ids, self.max_model_len)
         check_against_vocabulary(prompt_ids, params, self.model.config.vocab_size)
         params = without_idle_top_k(params, self.model.config.vocab_size)
-        if segment is not None and not isinstance(segment, str):
-            raise InvalidParameterError(f"segment must be a string, got {type(segment).__name__}")
+        for name, label in (("segment", segment), ("tenant", tenant)):
+            if label is not None and not isinstance(label, str):
+                raise InvalidParameterError(f"{name} must be a string, got {type(label).__name__}")
         seq = Sequence(str(next(self._request_ids)), text, prompt_ids, params, self.tokenizer,
                        self.tokenizer.eos_token_ids, self.max_model_len)
         seq.method = self.engine.default_method
-        seq.segment = segment
+        seq.segment, seq.tenant = segment, tenant
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.request_grammar(params.structured_outputs)
         if params.bad_words:
@@ -406,12 +405,9 @@ class LLM:
         earlier requests' text (suffix decoding's cache) use only the same tenant's.
         max_tokens_must_fit: refuse (rather than shorten) a max_tokens that the context cannot
         hold after the prompt, as OpenAI's API does."""
-        seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True), segment)
+        seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True), segment, tenant)
         if max_tokens_must_fit:
             check_max_tokens_fit(len(seq.prompt_token_ids), seq.params.max_tokens, self.max_model_len)
-        if tenant is not None and not isinstance(tenant, str):
-            raise InvalidParameterError(f"tenant must be a string, got {type(tenant).__name__}")
-        seq.tenant = tenant
         with self._lock:
             seq.method, seq.max_draft_tokens = request_speculation(speculative, self.engine.default_method,
                                                                    self.prepare_drafter)

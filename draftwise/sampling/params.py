@@ -9,6 +9,12 @@ from draftwise.errors import InvalidParameterError, check_text
 from draftwise.sampling.structured_params import StructuredOutputsParams
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """None, or an integer a 64-bit generator seed can hold (SamplingParams.seed, LLM(seed=))."""
+    if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise InvalidParameterError(f"{name} must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
 MAX_TOP_K = (1 << 63) - 1  # what the sampler's int64 top-k tensor holds (past the vocabulary: no cut)
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's and vLLM's limit)
 MAX_SAMPLES = 16  # n and best_of at most
@@ -60,8 +66,7 @@ class SamplingParams:
             self.top_k = 0
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
             raise InvalidParameterError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise InvalidParameterError(f"seed must be an integer from -2**63 to 2**64 - 1, got {self.seed!r}")
+        check_seed(self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidParameterError(f"stop must be non-empty strings, got {self.stop!r}")
         for i, stop in enumerate(self.stop):

@@ -14,7 +14,6 @@ the ingress's methods.)
 import asyncio
 import json
 import logging
-import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,7 +24,7 @@ from draftwise.scaleout.metrics import IngressMetrics
 from draftwise.scaleout.routing import NoReplicaError, Router
 from draftwise.server.protocol import error_body
 from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
-from draftwise.server.security import api_keys, host_name, tenant_of
+from draftwise.server.security import api_keys, host_name, tenant_for
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class Ingress:
     # --- everything else: one replica answers -----------------------------------------------
     def _check_key(self, request: Request) -> Response | None:
         """The Host allowlist and the API key, as one server checks them (its replicas take any Host);
-        the key's tenant is left in request.state for the replica (`_tenant`)."""
+        the key's tenant is left in request.state.tenant for the replica."""
         host = host_name(request.headers.get("host", ""))
         if "*" not in self.allowed_hosts and host not in self.allowed_hosts:
             return JSONResponse(error_body(f"Host {host!r} is not allowed here (allowed: "
@@ -179,10 +178,9 @@ class Ingress:
                                            "--allowed-hosts to add names", code="invalid_host"), status_code=400)
         if not self.api_keys:
             return None
-        given = request.headers.get("authorization", "").encode()
-        matches = [secrets.compare_digest(given, f"Bearer {key}".encode()) for key in self.api_keys]
-        if any(matches):
-            request.state.tenant = tenant_of(self.api_keys[matches.index(True)].encode())
+        tenant = tenant_for(request.headers.get("authorization", ""), [key.encode() for key in self.api_keys])
+        if tenant is not None:
+            request.state.tenant = tenant
             return None
         return JSONResponse(error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"),
                             status_code=401)

@@ -108,15 +108,24 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
-        given = token.strip().encode("latin-1")
-        matches = [hmac.compare_digest(given, key) for key in self.keys]  # (every key compared: no early exit)
-        if scheme.lower() != "bearer" or not any(matches):
+        tenant = tenant_for(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"), self.keys)
+        if tenant is None:
             return await send_error(send, 401, error_body("invalid or missing API key", "authentication_error",
                                                           code="invalid_api_key"),
                                     [(b"www-authenticate", b"Bearer")])
-        scope.setdefault("state", {})["tenant"] = tenant_of(self.keys[matches.index(True)])
+        scope.setdefault("state", {})["tenant"] = tenant
         return await self.app(scope, receive, send)
+
+
+def tenant_for(authorization: str, keys: list[bytes]) -> str | None:
+    """The tenant of an `Authorization: Bearer KEY` header (the scheme in any case), or None where it
+    names none of the keys. Every key is compared, in constant time: no early exit."""
+    scheme, _, token = authorization.partition(" ")
+    given = token.strip().encode("latin-1")
+    matches = [hmac.compare_digest(given, key) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
+        return None
+    return tenant_of(keys[matches.index(True)])
 
 
 def tenant_of(key: bytes) -> str:
