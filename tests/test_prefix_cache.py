@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from draftwise import LLM, SamplingParams
-from draftwise.cache.block_manager import BlockManager
+from draftwise.cache.block_manager import BlockManager, prefix_salt
+from draftwise.errors import InvalidParameterError
 from draftwise.runner.model_runner import ModelRunner
 from tests.drafting import spec_totals
 
@@ -68,6 +69,72 @@ def test_a_reset_prefix_cache_finds_nothing_and_frees_its_idle_blocks():
     blocks.add(3)
     assert blocks.share_prefix(3, tokens) == 12
     blocks.check_invariants()
+
+
+def test_sequences_with_different_salts_never_share_a_block():
+    """A chain's root is its salt: the same tokens under another salt find nothing; under the same
+    salt they do; and a salted sequence cut back to nothing registers under its salt again."""
+    blocks = BlockManager(num_blocks=16, block_size=4, prefix_caching=True)
+    tokens = list(range(13))
+    alpha, beta = prefix_salt("alpha", None), prefix_salt("beta", None)
+    assert prefix_salt(None, None) == b"" and len({alpha, beta, prefix_salt(None, "alpha"),
+                                                   prefix_salt("alpha", "x"), prefix_salt("alpha", "y")}) == 5
+    blocks.add(0)
+    blocks.grow(0, 13)
+    blocks.set_length(0, 12)
+    blocks.register(0, tokens, alpha)
+    for handle, salt, found in ((1, b"", 0), (2, beta, 0), (3, alpha, 12)):
+        blocks.add(handle)
+        assert blocks.share_prefix(handle, tokens, salt) == found
+        assert blocks.cached_prefix_length(blocks.prefix_digests(tokens, salt)) == found
+    blocks.free(0)
+    blocks.free(3)
+    blocks.add(4)
+    blocks.grow(4, 13)
+    blocks.set_length(4, 12)
+    blocks.register(4, [t + 100 for t in tokens], beta)
+    blocks.truncate(4, 0)  # (a restart from nothing: its registered blocks stay registered, cached)
+    blocks.grow(4, 13)
+    blocks.set_length(4, 12)
+    blocks.register(4, [t + 200 for t in tokens], beta)
+    blocks.add(5)
+    assert blocks.share_prefix(5, [t + 200 for t in tokens], b"") == 0
+    blocks.add(6)
+    assert blocks.share_prefix(6, [t + 200 for t in tokens], beta) == 12
+    blocks.check_invariants()
+
+
+def test_tenants_and_cache_salts_partition_the_prefix_cache(tiny_qwen):
+    """Requests of different tenants, or with different cache_salt, never start from each other's
+    blocks (time to first token tells nothing across them); the same tenant and salt do; outputs
+    are the same either way."""
+    llm = LLM(str(tiny_qwen), max_model_len=512, max_num_seqs=2, progress=False)
+    prompt, params = SYSTEM[:90] + QUESTIONS[0], SamplingParams(temperature=0, max_tokens=4)
+    ids = llm.tokenizer.encode(prompt)
+    assert 5 * llm.runner.blocks.blocks_for(len(ids) + 4) <= llm.runner.blocks.num_blocks  # (no eviction here)
+
+    def hits_of(prompt, **options) -> int:
+        before = llm.engine_stats()["prefix_cache_hits"]
+        request_id = llm.add_request(prompt, params, **options)
+        outputs = []
+        while llm.has_unfinished_requests():
+            outputs += [o for o in llm.step() if o.request_id == request_id and o.finished]
+        assert outputs[0].token_ids == expected
+        return llm.engine_stats()["prefix_cache_hits"] - before
+
+    expected = llm.generate(prompt, params)[0].token_ids  # (cached under no tenant, no salt)
+    assert hits_of(prompt, tenant="alpha") == 0
+    assert hits_of(prompt, tenant="beta") == 0
+    assert hits_of(prompt, tenant="alpha") > 0
+    assert hits_of({"prompt": prompt, "cache_salt": "s1"}, tenant="alpha") == 0
+    assert hits_of({"prompt_token_ids": ids, "cache_salt": "s1"}, tenant="alpha") > 0
+    assert hits_of({"prompt_token_ids": ids, "cache_salt": "s1"}) == 0
+    assert hits_of(prompt) > 0
+    llm.runner.blocks.check_invariants()
+    for bad in ({"prompt": prompt, "cache_salt": ""}, {"prompt": prompt, "cache_salt": 3}, {"cache_salt": "s1"},
+                {"prompt": prompt, "salt": "s1"}):
+        with pytest.raises(InvalidParameterError, match="cache_salt|prompt dict"):
+            llm.add_request(bad, params)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +217,7 @@ def check_draft_model_prefix_cache(model, prompt_kernels: bool) -> None:
     prompt_ids = llm.tokenizer.encode(prompts[1])
     shared = draft_blocks.cached_prefix_length(draft_blocks.prefix_digests(prompt_ids))
     assert shared >= 16 * (len(llm.tokenizer.encode(SYSTEM)) // 16 - 1) > 0
-    waiting = SimpleNamespace(request_id="not started", token_ids=prompt_ids + [7], output_ids=[7])
+    waiting = SimpleNamespace(request_id="not started", token_ids=prompt_ids + [7], output_ids=[7], prefix_salt=b"")
     assert proposer.lag(waiting) == len(prompt_ids) + 1 - shared
     second = llm.generate(prompts[1], params)[0]
     assert draft_blocks.prefix_hits == shared

@@ -158,6 +158,28 @@ def test_each_api_key_is_a_tenant_whose_text_drafts_only_its_own_requests(tiny_q
     assert set(cache.partitions) == {tenant_of(b"alpha"), tenant_of(b"beta")}  # (each key's text apart; no key's)
 
 
+def test_cache_salt_and_api_keys_partition_the_prefix_cache(tiny_qwen):
+    """vLLM's cache_salt field, and each key's tenant: a request finds prefix blocks only of requests
+    with the same key and salt (time to first token tells a tenant nothing of another's prompts)."""
+    llm = served_llm(tiny_qwen)
+    live = LiveServer(llm, MODEL, ServerOptions(api_key=("alpha", "beta")))
+    prompt = "You are a careful assistant. " * 4 + "def add(a, b):"
+
+    def hits_of(key: str, **extra) -> int:
+        before = llm.engine_stats()["prefix_cache_hits"]
+        live.client(key).completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
+        return llm.engine_stats()["prefix_cache_hits"] - before
+
+    try:
+        assert hits_of("alpha") == 0
+        assert hits_of("beta") == 0 and hits_of("alpha") > 0
+        assert hits_of("alpha", cache_salt="s1") == 0 and hits_of("alpha", cache_salt="s1") > 0
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            live.client("alpha").completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body={"cache_salt": ""})
+    finally:
+        live.stop()
+
+
 def test_an_empty_api_key_is_refused_by_name():
     from draftwise.errors import InvalidParameterError
 

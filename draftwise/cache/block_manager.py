@@ -17,6 +17,10 @@ block nobody holds any more keeps its keys while it is free: it waits, least rec
 first, until a growth needs a block and the unregistered ones have run out. A registered block is
 never written again: its holders only append past it, and truncation never cuts into committed
 tokens (the engine rolls back drafts only).
+
+A chain's root is the sequence's `salt` (vLLM's `cache_salt`; b"": the shared root): sequences
+with different salts never share a block, so one tenant cannot learn from a faster first token that
+another sent the same prefix (`prefix_salt`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ from collections import OrderedDict
 import numpy as np
 
 from draftwise.errors import KVCacheFullError
+
+
+def prefix_salt(*labels: str | None) -> bytes:
+    """The root of a sequence's prefix-hash chain from labels that partition the cache (its tenant,
+    its cache_salt): b"" when none is set, so unlabelled sequences share as before."""
+    if all(label is None for label in labels):
+        return b""
+    named = "\0".join("-" if label is None else "+" + label for label in labels)
+    return hashlib.blake2b(named.encode("utf-8", "surrogatepass"), digest_size=16, person=b"draftwise-salt").digest()
 
 
 class BlockManager:
@@ -100,7 +113,7 @@ class BlockManager:
             self._release(block)
         del table[keep:]
         if self._registered.get(handle, (0, b""))[0] > keep:
-            self._registered[handle] = (0, b"")  # (hashed again from the start at the next `register`)
+            del self._registered[handle]  # (hashed again from the start at the next `register`)
 
     def free(self, handle: int) -> None:
         for block in self.tables.pop(handle):
@@ -109,14 +122,14 @@ class BlockManager:
         self._registered.pop(handle, None)
 
     # --- prefix caching ---------------------------------------------------------------------
-    def share_prefix(self, handle: int, token_ids: list[int]) -> int:
+    def share_prefix(self, handle: int, token_ids: list[int], salt: bytes = b"") -> int:
         """An empty sequence about to hold `token_ids` starts with the longest run of cached blocks
-        they hash to (at most all but the last token: its logits are what the pass is for); returns
-        the tokens it now holds."""
+        they hash to from `salt` (at most all but the last token: its logits are what the pass is
+        for); returns the tokens it now holds."""
         if not self.prefix_caching or self.tables[handle]:
             return 0
         self.prefix_queries += len(token_ids)
-        table, last = self.tables[handle], b""
+        table, last = self.tables[handle], salt
         for index in range((len(token_ids) - 1) // self.block_size):
             digest = self._hash(last, token_ids, index)
             block = self._block_of.get(digest)
@@ -132,9 +145,9 @@ class BlockManager:
         self.prefix_hits += self.lengths[handle]
         return self.lengths[handle]
 
-    def prefix_digests(self, token_ids: list[int]) -> list[bytes]:
+    def prefix_digests(self, token_ids: list[int], salt: bytes = b"") -> list[bytes]:
         """The hashes `share_prefix` looks up for a sequence about to hold `token_ids`, in order."""
-        digests, last = [], b""
+        digests, last = [], salt
         for index in range((len(token_ids) - 1) // self.block_size if self.prefix_caching else 0):
             last = self._hash(last, token_ids, index)
             digests.append(last)
@@ -157,12 +170,12 @@ class BlockManager:
         self._hash_of.clear()
         self._block_of.clear()
 
-    def register(self, handle: int, token_ids: list[int]) -> None:
+    def register(self, handle: int, token_ids: list[int], salt: bytes = b"") -> None:
         """The sequence's full blocks of committed tokens (token_ids, of which it holds the first
-        `lengths[handle]`) become findable by `share_prefix`."""
+        `lengths[handle]`) become findable by `share_prefix` with the same `salt`."""
         if not self.prefix_caching:
             return
-        done, last = self._registered.get(handle, (0, b""))
+        done, last = self._registered.get(handle, (0, salt))
         table = self.tables[handle]
         for index in range(done, min(self.lengths[handle], len(token_ids)) // self.block_size):
             digest = self._hash(last, token_ids, index)

@@ -121,7 +121,7 @@ class Engine:
             seq.row = self.runner.allocate()
             # (a head reading the target's states, or a recorder, needs the whole prompt's)
             if not reads_hidden(self.drafters, seq) and self.recorder is None:
-                self.runner.share_prefix(seq.row, self._shareable(seq))
+                self.runner.share_prefix(seq.row, self._shareable(seq), seq.prefix_salt)
             if seq.output_ids:  # resumed after preemption: its prompt apart from what it generated
                 self._feed_prompt(seq)
             else:
@@ -326,7 +326,7 @@ class Engine:
                 seq.fail(unsatisfiable, "constraint_unsatisfiable")
             # Roll back: the cache keeps every committed token but the newest (fed next step).
             self.runner.truncate(seq.row, min(self.runner.length(seq.row), len(seq.token_ids) - 1))
-            self.runner.register_prefix(seq.row, self._shareable(seq))
+            self.runner.register_prefix(seq.row, self._shareable(seq), seq.prefix_salt)
             if not skip:  # (what verification accepted, drafts past an end token too: the drafts' quality)
                 seq.metrics.spec.record(drafted, accepted, draft.depth())
             if drafted:

@@ -25,6 +25,7 @@ class Sequence:
         self.max_draft_tokens: int | None = None  # a per-request cap on k (None: the drafter's own)
         self.segment: str | None = None  # a traffic label: the controller keeps per-segment statistics
         self.tenant: str | None = None  # whose request: drafts from earlier requests' text stay within a tenant
+        self.prefix_salt = b""  # the root of its prefix-cache hashes (`block_manager.prefix_salt`): tenant, cache_salt
         self.error: str | None = None  # why the request failed (finish_reason "error")
         self.error_reason: str | None = None  # a short label of the failure for metrics ("engine_error", ...)
         self.grammar: RequestGrammar | None = None  # structured outputs: where the output is in its grammar

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftwise.cache.block_manager import prefix_salt
 from draftwise.engine.engine import Engine
 from draftwise.engine.hidden_states import HiddenRecorder
 from draftwise.engine.outputs import RequestOutput
@@ -253,7 +254,7 @@ class LLM:
 
     def _make_sequence(self, prompt: str | TokensPrompt, params: SamplingParams,
                        segment: str | None = None, tenant: str | None = None) -> Sequence:
-        text, prompt_ids = prompt_parts(prompt)
+        text, prompt_ids, cache_salt = prompt_parts(prompt)
         if prompt_ids is None:
             prompt_ids = self.tokenizer.encode(text)
         check_prompt_ids(prompt_ids, self.max_model_len)
@@ -266,6 +267,7 @@ class LLM:
                        self.tokenizer.eos_token_ids, self.max_model_len)
         seq.method = self.engine.default_method
         seq.segment, seq.tenant = segment, tenant
+        seq.prefix_salt = prefix_salt(tenant, cache_salt)  # (one tenant never times another's prefixes)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.request_grammar(params.structured_outputs)
         if params.bad_words:

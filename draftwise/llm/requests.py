@@ -13,32 +13,47 @@ PER_REQUEST_SPECULATION = ("enabled", "method", "num_speculative_tokens")
 
 
 class TokensPrompt(TypedDict, total=False):
-    """A prompt already tokenized (vLLM's name): `prompt_token_ids`, and the text it came from if known."""
+    """A prompt as a dict (vLLM's TokensPrompt / TextPrompt): `prompt_token_ids` (already tokenized)
+    and the text it came from if known, or only the `prompt` text; and an optional `cache_salt`:
+    only requests with the same salt share prefix-cache blocks (vLLM's name)."""
 
     prompt_token_ids: list[int]
     prompt: str
+    cache_salt: str
 
 
-def prompt_parts(prompt: str | TokensPrompt) -> tuple[str, list[int] | None]:
-    """(text, token ids or None: tokenize the text) of a prompt, checked."""
+PROMPT_KEYS = ("prompt_token_ids", "prompt", "cache_salt")
+
+
+def prompt_parts(prompt: str | TokensPrompt) -> tuple[str, list[int] | None, str | None]:
+    """(text, token ids or None: tokenize the text, cache_salt or None) of a prompt, checked."""
     if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt_token_ids", "prompt"}
-        if unknown or "prompt_token_ids" not in prompt:
-            raise InvalidParameterError(f"a tokens prompt is {{'prompt_token_ids': [...], 'prompt': text}}, "
-                                        f"got keys {sorted(prompt)}")
+        unknown = set(prompt) - set(PROMPT_KEYS)
+        if unknown or not {"prompt_token_ids", "prompt"} & set(prompt):
+            raise InvalidParameterError(f"a prompt dict is {{'prompt_token_ids': [...]}} or {{'prompt': text}} "
+                                        f"(and optionally 'cache_salt'), got keys {sorted(prompt)}")
+        salt = prompt.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidParameterError(f"cache_salt must be a non-empty string, got {salt!r}")
+        if "prompt_token_ids" not in prompt:
+            return text_prompt(prompt["prompt"]), None, salt
         ids = prompt["prompt_token_ids"]
         if not isinstance(ids, list) or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
             raise InvalidParameterError("prompt_token_ids must be a list of non-negative integers")
         text = prompt.get("prompt", "")
         if not isinstance(text, str):
             raise InvalidParameterError("a tokens prompt's 'prompt' must be its text")
-        return check_text(text, "prompt"), ids
+        return check_text(text, "prompt"), ids, salt
+    return text_prompt(prompt), None, None
+
+
+def text_prompt(prompt) -> str:
     if not isinstance(prompt, str):
         raise InvalidParameterError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got "
                                     f"{type(prompt).__name__}")
     if not prompt:
         raise InvalidParameterError("prompt is empty")
-    return check_text(prompt, "prompt"), None
+    return check_text(prompt, "prompt")
 
 
 def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:

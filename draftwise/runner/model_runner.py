@@ -84,14 +84,15 @@ class ModelRunner:
     def truncate(self, handle: int, length: int) -> None:
         self.blocks.truncate(handle, length)
 
-    def share_prefix(self, handle: int, token_ids: list[int]) -> int:
-        """An empty sequence starts with the cached blocks of its tokens' longest cached prefix;
-        returns how many tokens it holds (0 without prefix caching)."""
-        return self.blocks.share_prefix(handle, token_ids)
+    def share_prefix(self, handle: int, token_ids: list[int], salt: bytes = b"") -> int:
+        """An empty sequence starts with the cached blocks of its tokens' longest cached prefix
+        under `salt` (`block_manager.prefix_salt`); returns how many tokens it holds (0 without
+        prefix caching)."""
+        return self.blocks.share_prefix(handle, token_ids, salt)
 
-    def prefix_digests(self, token_ids: list[int]) -> list[bytes]:
+    def prefix_digests(self, token_ids: list[int], salt: bytes = b"") -> list[bytes]:
         """What `cached_prefix_length` looks up for a sequence about to hold `token_ids`."""
-        return self.blocks.prefix_digests(token_ids)
+        return self.blocks.prefix_digests(token_ids, salt)
 
     def cached_prefix_length(self, digests: list[bytes]) -> int:
         """The tokens `share_prefix` would give now a new sequence with these `prefix_digests`."""
@@ -103,9 +104,9 @@ class ModelRunner:
         that only blocks of prompt tokens may be shared."""
         return self.model.prompt_kernels
 
-    def register_prefix(self, handle: int, token_ids: list[int]) -> None:
-        """The sequence's full blocks of committed tokens become shareable."""
-        self.blocks.register(handle, token_ids)
+    def register_prefix(self, handle: int, token_ids: list[int], salt: bytes = b"") -> None:
+        """The sequence's full blocks of committed tokens become shareable under `salt`."""
+        self.blocks.register(handle, token_ids, salt)
 
     def synchronize(self) -> None:
         """Wait for the work queued on the device: on a GPU `forward` returns before its pass has run

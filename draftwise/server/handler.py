@@ -47,6 +47,8 @@ class RequestHandler:
     async def run(self, request: Request, body: SamplingFields, engine_request: EngineRequest):
         engine_request.options["tenant"] = getattr(request.state, "tenant", None)  # (ApiKeyAuth's: the key's tenant)
         prompt = await asyncio.to_thread(self._tokenize, engine_request)  # the tokenizer releases the GIL
+        if body.cache_salt is not None:
+            prompt["cache_salt"] = body.cache_salt
         if sample_count(engine_request.params) > 1:
             return await self._run_samples(request, body, engine_request, prompt)
         outputs = self.engine.generate(prompt, engine_request.params, **engine_request.options)

@@ -66,6 +66,7 @@ class SamplingFields(BaseModel):
     prompt_logprobs: StrictInt | None = None
     speculative: SpeculationRequest | None = None
     segment: StrictStr | None = Field(default=None, pattern=SEGMENT_PATTERN)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: only the same salt shares prefix blocks
     # output constraints: OpenAI's response_format (vLLM takes it on completions too), vLLM's fields
     response_format: dict | None = None
     structured_outputs: dict | None = None

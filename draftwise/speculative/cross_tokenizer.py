@@ -51,6 +51,7 @@ class _DraftSide:
     row: int | None = None
     segment: str | None = None
     tenant: str | None = None
+    prefix_salt: bytes = b""
     finish_reason: str | None = None
 
 

@@ -15,6 +15,7 @@ class SequenceState(Protocol):
     params: SamplingParams
     segment: str | None  # a traffic label: the controller keeps statistics per segment
     tenant: str | None  # whose request (the server's API key): text drafted from others' requests stays within it
+    prefix_salt: bytes  # the root of its prefix-cache hashes: only sequences with the same salt share blocks
     output_ids: list[int]  # tokens generated so far
     finish_reason: str | None  # why it ended ("stop", "length", "abort", "error"); None while it runs
     grammar: RequestGrammar | None  # structured outputs: the output's place in its grammar (None: free)

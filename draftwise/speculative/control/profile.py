@@ -171,6 +171,7 @@ class ProfilingSequence:
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0, max_tokens=None))
     segment: None = None
     tenant: None = None
+    prefix_salt: bytes = b""
     finish_reason: None = None
     output_ids: list[int] = field(default_factory=list)
 

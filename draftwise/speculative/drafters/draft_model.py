@@ -67,7 +67,7 @@ class DraftModelProposer:
             self._rows[seq.request_id] = row = self.runner.allocate()
             self._offsets[seq.request_id] = 0
             if _shares(seq):
-                self.runner.share_prefix(row, _prompt(seq))  # (0 tokens without prefix caching)
+                self.runner.share_prefix(row, _prompt(seq), seq.prefix_salt)  # (0 tokens without prefix caching)
             self._digests.pop(seq.request_id, None)
         row = self._rows[seq.request_id]
         if self.context_window is not None and self._backlog(seq) > self.context_window:
@@ -81,7 +81,7 @@ class DraftModelProposer:
             held = 0
         elif row is None:  # what its row would start with (the prompt's hashes taken once a request)
             if seq.request_id not in self._digests:
-                self._digests[seq.request_id] = self.runner.prefix_digests(_prompt(seq))
+                self._digests[seq.request_id] = self.runner.prefix_digests(_prompt(seq), seq.prefix_salt)
             held = self.runner.cached_prefix_length(self._digests[seq.request_id])
         else:
             held = self._offsets[seq.request_id] + self.runner.length(row)
@@ -121,7 +121,7 @@ class DraftModelProposer:
         """The prompt blocks rows read from its first token now hold become findable by later requests."""
         for seq, row in drafting:
             if self._offsets[seq.request_id] == 0 and _shares(seq):
-                self.runner.register_prefix(row, _prompt(seq))
+                self.runner.register_prefix(row, _prompt(seq), seq.prefix_salt)
 
     def on_verified(self, seqs: list[SequenceState], num_accepted: list[int]) -> None:
         # The cache holds the old tokens and the drafted chain fed back; the drafted tokens the
