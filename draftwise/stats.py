@@ -4,8 +4,15 @@ from __future__ import annotations
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-quantile of sorted `values` (nearest rank below); 0.0 for none."""
-    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+    """The q-quantile of `values`, interpolated between the two nearest ranks (numpy's default, so
+    the 0.5-quantile is `statistics.median`); 0.0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    place = q * (len(ordered) - 1)
+    below = int(place)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (place - below)
 
 
 BOOTSTRAP_RESAMPLES = 2000

@@ -159,6 +159,73 @@ def test_configs_run_interleaved_item_by_item_with_the_first_rotating():
     assert [r.measures for r in results] == [[{"n": 1}]] * 3
 
 
+def test_ctrl_c_keeps_every_item_all_configs_finished_and_the_cli_writes_them(tiny_qwen, traffic, tmp_path, monkeypatch):
+    """A run interrupted inside an item keeps the items before it, paired across configs (the
+    interrupted item's answers dropped), and `draftwise bench` writes them before it exits 130."""
+    from draftwise.benchmark import suites
+    from draftwise.benchmark.runner import BenchmarkInterrupted
+
+    class Recorder:
+        def __init__(self, name, stop_at=None):
+            self.name, self.reference, self.stop_at = name, "a", stop_at
+
+        def warm_up(self, prompt):
+            pass
+
+        def run(self, item):
+            if item == self.stop_at:
+                raise KeyboardInterrupt
+            return RequestResult(item[0], 1, 1.0, 0.0, [1], 0) if isinstance(item, tuple) else {"n": 1}
+
+    items = [("x", "p0"), ("x", "p1"), ("y", "p2"), ("y", "p3"), "probe"]
+    with pytest.raises(BenchmarkInterrupted) as stop:  # (p2 runs c, a, then b stops)
+        run_benchmark([Recorder("a"), Recorder("b", stop_at=("y", "p2")), Recorder("c")], items, progress=False)
+    assert (stop.value.done, stop.value.total) == (2, 5)
+    assert [[q.category for q in r.requests] for r in stop.value.results] == [["x", "x"]] * 3
+    assert [r.measures for r in stop.value.results] == [[]] * 3
+
+    def interrupted(name, settings):
+        raise BenchmarkInterrupted(stop.value.results, 2, 5)
+
+    monkeypatch.setattr(suites, "run_suite", interrupted)
+    argv = ["bench", "--suite", "plain", "--model", str(tiny_qwen), "--dataset", str(traffic), "--formats", "none",
+            "--in-process", "--output", str(tmp_path / "out")]
+    assert main(argv) == 130
+    saved = json.loads((tmp_path / "out" / "plain-interrupted.json").read_text())
+    assert saved["items_finished"] == 2 and [c["name"] for c in saved["configs"]] == ["a", "b", "c"]
+    assert len(saved["configs"][0]["requests"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "speculative", "--peers", "hf", "--temperature", "0.7"], "greedily"),
+    (["--suite", "prefix-cache", "--per-category", "1"], "at least 2"),
+])
+def test_bench_runs_that_would_measure_the_wrong_thing_are_refused(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_percentiles_interpolate_between_ranks_as_numpy_does():
+    from draftwise.stats import percentile
+
+    assert percentile(list(range(1, 21)), 0.95) == pytest.approx(19.05)  # (was 20: the maximum)
+    assert percentile([3.0, 1.0, 2.0, 4.0], 0.5) == pytest.approx(2.5)  # unsorted; the median
+    assert percentile([5.0], 0.99) == 5.0 and percentile([], 0.5) == 0.0
+
+
+def test_warm_up_leaves_no_cached_prefix_for_the_first_item(tiny_qwen):
+    """The warm-up prompt is the first item's: its prefill is measured, not found in the cache."""
+    from draftwise import LLM
+    from draftwise.benchmark.configs import DraftwiseConfig
+
+    llm = LLM(str(tiny_qwen), max_model_len=512, progress=False)
+    config = DraftwiseConfig("plain", llm, SamplingParams(temperature=0.0, max_tokens=4))
+    prompt = "You are a careful assistant. " * 8 + "def add(a, b):"
+    config.warm_up(prompt)
+    config.run(("x", prompt))
+    assert llm.engine_stats()["prefix_cache_hits"] == 0
+
+
 def test_background_load_runs_from_its_start_item_to_the_end_under_every_config():
     """`--background-load 1@0.5`: busy from the item at half the run, for every contestant of that
     item alike (the load starts between items), and ended with the run."""

@@ -143,6 +143,7 @@ class DraftwiseConfig:
     def warm_up(self, prompt: str) -> None:
         self.llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
         self.llm.forget_drafter_history()  # (the measured requests are not drafted from the warm-up's text)
+        self.llm.reset_prefix_cache()  # (nor prefilled from its blocks: the warm-up prompt is the first item's)
 
     def run(self, item):
         """item: a probe, (category, prompt), or (category, prompt, SamplingParams fields of its own)."""

@@ -66,6 +66,15 @@ class ConfigResult:
     measures: list[dict] = field(default_factory=list)  # one per probe item, in item order
 
 
+class BenchmarkInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, carrying what finished: every contestant's results of the items before
+    the one interrupted (so that the configs' results still pair item by item)."""
+
+    def __init__(self, results: list[ConfigResult], done: int, total: int) -> None:
+        super().__init__(f"interrupted after {done} of {total} items")
+        self.results, self.done, self.total = results, done, total
+
+
 class Contestant(Protocol):
     name: str
     reference: str
@@ -115,6 +124,7 @@ def run_benchmark(contestants: list[Contestant], items: list, warm_up: str | Non
             contestant.warm_up(warm_up)
     results = [ConfigResult(c.name, c.reference) for c in contestants]
     bar = tqdm(total=len(items) * len(contestants), disable=not progress, leave=False, unit="run")
+    index = 0
     try:
         for index, item in enumerate(items):
             if load is not None:
@@ -125,6 +135,12 @@ def run_benchmark(contestants: list[Contestant], items: list, warm_up: str | Non
                 answer = contestants[which].run(item)
                 (results[which].requests if isinstance(item, tuple) else results[which].measures).append(answer)
                 bar.update()
+    except KeyboardInterrupt:
+        bar.close()
+        prompts = sum(isinstance(item, tuple) for item in items[:index])
+        for result in results:  # (the interrupted item's answers dropped: not every contestant ran it)
+            del result.requests[prompts:], result.measures[index - prompts:]
+        raise BenchmarkInterrupted(results, index, len(items)) from None
     finally:
         if load is not None:
             load.stop()

@@ -74,6 +74,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> None:
     from draftwise.benchmark.configs import config_method
     from draftwise.benchmark.report import write_benchmarks_section, write_outputs
+    from draftwise.benchmark.runner import BenchmarkInterrupted
     from draftwise.benchmark.suites import BenchSettings, run_suite
 
     configs = tuple(c for c in args.configs.split(",") if c) if args.configs else None
@@ -87,6 +88,12 @@ def run(args: argparse.Namespace) -> None:
         raise InvalidParameterError(f"--peers {args.peers} runs beside the "
                                     f"{' and '.join(suites_of_peer[args.peers])} suite(s) only")
     _refuse_unread(args)
+    if args.peers and args.temperature:  # (the peers decode greedily: their rows would measure other work)
+        raise InvalidParameterError(f"--peers {args.peers} decodes greedily: it runs at --temperature 0 only, "
+                                    f"got {args.temperature}")
+    if args.suite == "prefix-cache" and args.per_category == 1:
+        raise InvalidParameterError("--per-category must be at least 2 for the prefix-cache suite: it times the "
+                                    "later requests against the first")
     for name in ("per_category", "max_tokens", "requests", "max_model_len", "fixed_k", "eval_tokens", "hostile"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise InvalidParameterError(f"--{name.replace('_', '-')} must be positive")
@@ -108,7 +115,11 @@ def run(args: argparse.Namespace) -> None:
     output_folder(settings.output, "--output")  # (before the work: a suite is minutes of measuring)
     if args.write_benchmarks:
         output_file(args.write_benchmarks, "--write-benchmarks")
-    report = run_suite(args.suite, settings)
+    try:
+        report = run_suite(args.suite, settings)
+    except BenchmarkInterrupted as stop:
+        _keep_interrupted(stop, args.suite, settings.output)
+        raise
     print(report.markdown)
     paths = write_outputs(report, settings.output)
     if args.write_benchmarks:
@@ -116,6 +127,20 @@ def run(args: argparse.Namespace) -> None:
         write_benchmarks_section(report, Path(args.write_benchmarks), args.section or f"suite-{args.suite}", command)
         paths["benchmarks"] = Path(args.write_benchmarks)
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+
+
+def _keep_interrupted(stop, suite: str, folder: Path) -> None:
+    """What a run interrupted by Ctrl-C had finished, as it was measured (no tables: a table over
+    part of the items would read as the whole), in `<suite>-interrupted.json`."""
+    import dataclasses
+    import json
+
+    path = folder / f"{suite}-interrupted.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"items_finished": stop.done, "items": stop.total,
+                                "configs": [dataclasses.asdict(result) for result in stop.results]},
+                               indent=1, default=str))
+    print(f"\ninterrupted after {stop.done} of {stop.total} items; what they measured is in {path}", file=sys.stderr)
 
 
 # flag dest -> the setting it sets, where the names differ
