@@ -172,3 +172,30 @@ def test_a_real_measurement_times_both_kernels(kind):
     assert set(result) == {"int8", "bf16 1", "int8 1", f"bf16 {activation_choice.VERIFY_ROWS}",
                            f"int8 {activation_choice.VERIFY_ROWS}"}
     assert all(result[name] > 0 for name in result if name != "int8")
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("where", [0, 5, 31, 40])
+def test_a_nan_or_inf_in_the_activations_reaches_the_outputs(kind, where, int8_activations_on):
+    """As in a float matmul, a NaN (or inf) input makes the outputs NaN, wherever it sits in its group
+    (it used to drop out of the group's max and leave a finite answer); rows without one unchanged."""
+    layer = make_layer(kind, 48, 64)
+    assert layer.int8_activations
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    clean = layer(x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = x.clone()
+        poisoned[1, where] = bad
+        out = layer(poisoned)
+        assert torch.isnan(out[1]).all(), (bad, out[1][:4])
+        assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+
+
+def test_an_int4_layer_the_bf16_kernels_cannot_take_uses_int8_activations_unmeasured(monkeypatch):
+    """K a multiple of 32 but not 64: on a machine with the bf16 kernels too, the choice must not
+    time the bf16 kernel (it refuses that K) but take the int8-activation kernels."""
+    monkeypatch.setattr(activation_choice, "has_bf16_kernels", lambda: True)
+    monkeypatch.setattr(activation_choice, "measure", lambda *shape: pytest.fail(f"measured {shape}"))
+    activation_choice._choice.cache_clear()
+    assert activation_choice.int8_activations("int4", 64, 96)
+    assert activation_choice.int8_activations("int8", 64, 160)

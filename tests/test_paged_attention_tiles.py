@@ -56,3 +56,29 @@ def test_tiled_queries_compute_attention():
             scores = (k[:positions[n] + 1, g] @ q[n, h].double()) * D ** -0.5
             expected = torch.softmax(scores, 0) @ v[:positions[n] + 1, g]
             assert (got[n, h] - expected).abs().max() < 1e-5, (n, h)
+
+
+@needs_kernel
+def test_index_tensors_are_checked_not_read_blindly():
+    """A strided view of positions, a query row past the block tables, a block entry past the cache
+    or keys of another head size: each refused by name (a strided view was read wrongly and a row
+    past the tables crashed the process)."""
+    block, heads, kv_heads, d = 16, 4, 2, 32
+    draw = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(8 * block, kv_heads, d, generator=draw), torch.randn(8 * block, kv_heads, d, generator=draw)
+    table, q = torch.arange(8).view(2, 4).long(), torch.randn(2, heads, d, generator=draw)
+    rows, none = torch.tensor([0, 1]), torch.empty(0, dtype=torch.long)
+
+    def attend(table=table, rows=rows, positions=torch.tensor([5, 40]), keys=keys, values=values):
+        return kernels.paged_attention(q, keys, values, table, block, rows, positions, none, none.view(0, 0),
+                                       d ** -0.5, 0)
+
+    assert torch.isfinite(attend()).all()
+    for bad, message in ((dict(positions=torch.tensor([[5, 7], [40, 9]])[:, 0]), "contiguous int64"),
+                         (dict(positions=torch.tensor([5, 40], dtype=torch.int32)), "contiguous int64"),
+                         (dict(rows=torch.tensor([0, 7])), "query row past"),
+                         (dict(rows=torch.tensor([0])), "one entry per query"),
+                         (dict(table=torch.tensor([[0, 1, 2, 99], [4, 5, 6, 7]])), "block table entry past"),
+                         (dict(keys=keys[..., :16].contiguous(), values=values[..., :16].contiguous()), "keys and values")):
+        with pytest.raises(RuntimeError, match=message):
+            attend(**bad)

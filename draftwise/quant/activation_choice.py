@@ -47,6 +47,7 @@ from draftwise.quant.native import has_bf16_kernels, kernels, source_digest
 
 ACTIVATIONS_ENV = "DRAFTWISE_INT8_ACTIVATIONS"
 ACTIVATION_BLOCK = 32  # the kernels quantize activations in groups of this many inputs
+NATIVE_K_MULTIPLE = 64  # the bf16 kernels take input features in pairs of groups
 VERIFY_ROWS = 8
 ROUNDS = 9  # timed runs of each kernel, the two alternating
 
@@ -56,7 +57,7 @@ def int8_activations(kind: str, out_features: int, in_features: int) -> bool:
     on this machine."""
     if os.environ.get(ACTIVATIONS_ENV, "1") == "0" or kernels() is None or in_features % ACTIVATION_BLOCK:
         return False
-    if not has_bf16_kernels():  # an AVX2 build: the int8-activation kernels are its only ones
+    if not has_bf16_kernels() or in_features % NATIVE_K_MULTIPLE:  # (the only native kernels for the shape)
         return True
     return _choice(kind, out_features, in_features)
 

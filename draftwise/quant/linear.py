@@ -33,14 +33,13 @@ from torch import nn
 from draftwise.model.native_decoder import NativeLinear
 from draftwise.model.prompt_pass import in_prompt_pass
 from draftwise.quant import native_ops
-from draftwise.quant.activation_choice import int8_activations
+from draftwise.quant.activation_choice import NATIVE_K_MULTIPLE, int8_activations
 from draftwise.quant.int8_rows import quantize_int8_rows
 from draftwise.quant.native import has_bf16_kernels, kernels as native_kernels, prompt_kernels
 from draftwise.quant.superblock_strips import (SUPER, kernel_available, pack_q4k_strips, rows_of_strips, strip_nibbles,
                                                unpack_q4k_strips, unstrip_nibbles)
 
 INT4_GROUP = 32
-NATIVE_K_MULTIPLE = 64  # the native kernels take input features in pairs of groups
 KERNEL_DTYPE = torch.bfloat16  # activations and scales inside the kernels
 
 

@@ -57,10 +57,28 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
               "paged_attention: fp32 only");
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() && block_tables.is_contiguous(),
               "paged_attention: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && keys.sizes() == values.sizes() &&
+              keys.size(2) == q.size(2), "paged_attention: q [N, H, D], keys and values [slots, Hkv, D]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_size > 0 && keys.size(0) % block_size == 0,
+              "paged_attention: block_tables [B, W] over slots in blocks of block_size");
+  for (const torch::Tensor* index : {&block_tables, &query_rows, &positions})
+    TORCH_CHECK(index->scalar_type() == torch::kInt64 && index->is_contiguous(),
+                "paged_attention: block_tables, query_rows and positions must be contiguous int64");
+  TORCH_CHECK(query_rows.numel() == q.size(0) && positions.numel() == q.size(0),
+              "paged_attention: query_rows and positions must hold one entry per query");
   const int64_t num_queries = q.size(0), num_heads = q.size(1), d = q.size(2);
   const int64_t num_kv_heads = keys.size(1), table_width = block_tables.size(1) * block_size;
   TORCH_CHECK(d % 16 == 0 && d <= 256, "paged_attention: head_dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads must group over kv heads");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "paged_attention: heads must group over kv heads");
+  {
+    const int64_t num_blocks = keys.size(0) / block_size, entries = block_tables.numel();
+    const int64_t* entry = block_tables.data_ptr<int64_t>();
+    for (int64_t i = 0; i < entries; ++i)
+      TORCH_CHECK(entry[i] >= 0 && entry[i] < num_blocks, "paged_attention: a block table entry past the cache");
+    const int64_t* rows = query_rows.data_ptr<int64_t>();
+    for (int64_t n = 0; n < num_queries; ++n)
+      TORCH_CHECK(rows[n] >= 0 && rows[n] < block_tables.size(0), "paged_attention: a query row past the block tables");
+  }
   auto out = torch::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = keys.data_ptr<float>();
@@ -74,8 +92,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor
   const int64_t path_width = tree ? path.size(1) : 0;
   const int64_t* start_ptr = tree ? path_start.data_ptr<int64_t>() : nullptr;
   const int64_t* path_ptr = tree ? path.data_ptr<int64_t>() : nullptr;
-  TORCH_CHECK(!tree || (path.is_contiguous() && path.size(0) == num_queries && path_start.numel() == num_queries),
-              "paged_attention: path must be [N, T] with path_start [N]");
+  TORCH_CHECK(!tree || (path.dim() == 2 && path.scalar_type() == torch::kInt64 && path.is_contiguous() &&
+                        path.size(0) == num_queries && path_start.scalar_type() == torch::kInt64 &&
+                        path_start.is_contiguous() && path_start.numel() == num_queries),
+              "paged_attention: path must be contiguous int64 [N, T] with path_start [N]");
   for (int64_t n = 0; n < num_queries; ++n) {
     TORCH_CHECK(pos_ptr[n] >= 0 && pos_ptr[n] < table_width, "paged_attention: a position past its row's block table");
     if (tree) {

@@ -50,6 +50,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -73,6 +74,8 @@ constexpr int64_t kRowBlock = 64;
 constexpr int kFewRows = 4;
 
 // x float [M, K] -> p int8 [M, K]; scale a float [M, K/32]; offset float [M, K/32] = a * sum(p).
+// A group holding NaN or inf (x * 0 is NaN exactly for those) gets p = 0 and a NaN scale and offset:
+// every output it reaches is NaN, as in a float matmul.
 void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* scale, float* offset) {
   const int64_t groups = k / kGroup;
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
@@ -80,8 +83,16 @@ void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* sca
       for (int64_t g = 0; g < groups; ++g) {
         const float* in = x + r * k + g * kGroup;
         const __m512 first = _mm512_loadu_ps(in), second = _mm512_loadu_ps(in + 16);
+        const __m512 zero = _mm512_setzero_ps();
+        const __m512 products = _mm512_add_ps(_mm512_mul_ps(first, zero), _mm512_mul_ps(second, zero));
+        if (_mm512_cmp_ps_mask(products, products, _CMP_UNORD_Q) != 0) {
+          std::memset(p + r * k + g * kGroup, 0, kGroup);
+          scale[r * groups + g] = offset[r * groups + g] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
         const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(first), _mm512_abs_ps(second)));
-        const __m512 inverse = _mm512_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+        // (below 1e-30 a group is zeros for every purpose: 127 / max_abs would overflow to inf)
+        const __m512 inverse = _mm512_set1_ps(max_abs > 1e-30f ? 127.0f / max_abs : 0.0f);
         const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(first, inverse));  // nearest, |.| <= 127
         const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(second, inverse));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(p + r * k + g * kGroup), _mm512_cvtepi32_epi8(low));

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -52,7 +53,17 @@ inline int32_t reduce_add(__m256i v) {
   return _mm_cvtsi128_si32(x);
 }
 
+// Whether any of 32 floats is NaN or infinite (x * 0 is NaN exactly for those).
+inline bool any_not_finite(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 products = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(a, zero), _mm256_mul_ps(b, zero)),
+                                        _mm256_add_ps(_mm256_mul_ps(c, zero), _mm256_mul_ps(d, zero)));
+  return _mm256_movemask_ps(_mm256_cmp_ps(products, products, _CMP_UNORD_Q)) != 0;
+}
+
 // x float [M, K] -> p int8 [M, K]; scale a float [M, K/32]; offset float [M, K/32] = a * sum(p).
+// A group holding NaN or inf gets p = 0 and a NaN scale and offset: every output it reaches is NaN,
+// as in a float matmul (a NaN would otherwise drop out of the max and leave a finite answer).
 void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* scale, float* offset) {
   const int64_t groups = k / kGroup;
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
@@ -61,6 +72,11 @@ void quantize_groups(const float* x, int64_t m, int64_t k, int8_t* p, float* sca
         const float* in = x + r * k + g * kGroup;
         const __m256 v0 = _mm256_loadu_ps(in), v1 = _mm256_loadu_ps(in + 8);
         const __m256 v2 = _mm256_loadu_ps(in + 16), v3 = _mm256_loadu_ps(in + 24);
+        if (any_not_finite(v0, v1, v2, v3)) {
+          std::memset(p + r * k + g * kGroup, 0, kGroup);
+          scale[r * groups + g] = offset[r * groups + g] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
         const float max_abs = reduce_max_abs(v0, v1, v2, v3);
         // (below 1e-30 a group is zeros for every purpose: 127 / max_abs would overflow to inf, and 0 * inf is NaN)
         const __m256 inverse = _mm256_set1_ps(max_abs > 1e-30f ? 127.0f / max_abs : 0.0f);
