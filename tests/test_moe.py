@@ -96,3 +96,21 @@ def test_the_shared_experts_gate_of_a_row_does_not_depend_on_the_rows_beside_it(
     for rows in (1, 5, 17, 600, 1100):
         assert torch.equal(rowwise_sigmoid(gate[:rows]), alone[:rows]), rows
     assert torch.allclose(alone, torch.sigmoid(gate), rtol=1e-6, atol=0)
+
+
+def test_a_moe_model_is_never_captured_in_a_cuda_graph(moe_model):
+    """Its routing reads the chosen experts back to the host mid-pass: "auto" steps it eagerly where
+    it would capture a dense model's step, and "graph" / "compile" are refused by name."""
+    from types import SimpleNamespace
+
+    from draftwise.errors import InvalidParameterError
+    from draftwise.loading.hf_folder import load_model
+    from draftwise.runner.model_runner import ModelRunner, _resolve_step_mode
+
+    gpu_cache = SimpleNamespace(keys=SimpleNamespace(device=torch.device("cuda")), kernel=object())
+    assert _resolve_step_mode("auto", gpu_cache) == "graph"
+    assert _resolve_step_mode("auto", gpu_cache, routes_on_host=True) is None
+    model = load_model(moe_model)
+    for mode in ("graph", "compile"):
+        with pytest.raises(InvalidParameterError, match="mixture-of-experts"):
+            ModelRunner(model, 2, 64, step_mode=mode)

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu/whl
 for model in qwen2.5-coder-1.5b qwen2.5-coder-0.5b; do
-  folder=$(python -c "from draftwise.loading.resolve import resolve_model; print(resolve_model('$model'))")
+  folder=$(python -c "from draftwise.loading.resolve import resolve_model; print(resolve_model('$model', load_format='dummy'))")
   mkdir -p ".gpu/$model" && cp "$folder"/{config.json,tokenizer.json,tokenizer_config.json} ".gpu/$model/"
 done
 cp ../shared/gpu/graph_step.py .gpu/

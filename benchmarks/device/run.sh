@@ -4,7 +4,7 @@
 # graph-replayed step (PROFILE=1), and the divergence tool in bf16 and fp32. Each part has its own
 # time limit, so one that hangs leaves the others' output; everything lands in $OUT (log.txt, bench.tgz).
 # Usage: bash benchmarks/device/run.sh [TESTS_S] [BENCH_S] [extra bench arguments...]
-T_TESTS=${1:-90}; T_BENCH=${2:-240}; shift 2 || true
+T_TESTS=${1:-90}; T_BENCH=${2:-240}; shift $(( $# < 2 ? $# : 2 ))
 export PYTHONUNBUFFERED=1 DRAFTWISE_CACHE=/tmp/dwcache HF_HUB_OFFLINE=1
 exec > >(tee -a "$OUT/log.txt") 2>&1
 date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

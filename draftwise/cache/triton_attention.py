@@ -82,7 +82,7 @@ if triton is not None:
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
             m = m_new
         # This program's share, unnormalized: partial [N, Hkv, SPLITS, G, D], stats [N, Hkv, SPLITS, 2, G].
-        part = (n * tl.num_programs(1) + g) * SPLITS + p
+        part = ((n * tl.num_programs(1) + g) * SPLITS + p).to(tl.int64)  # (int32 offsets wrap past 2**31)
         groups = tl.arange(0, GROUP_PAD)
         tl.store(partial_ptr + part * GROUP * HEAD_DIM + groups[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=head_ok[:, None])
@@ -101,7 +101,7 @@ if triton is not None:
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for p in tl.static_range(SPLITS):  # in program order; program 0 always read a block, so m is finite after it
-            part = (n * tl.num_programs(1) + g) * SPLITS + p
+            part = ((n * tl.num_programs(1) + g) * SPLITS + p).to(tl.int64)
             m_p = tl.load(stats_ptr + part * 2 * GROUP + groups, mask=head_ok, other=0.0)
             total_p = tl.load(stats_ptr + part * 2 * GROUP + GROUP + groups, mask=head_ok, other=0.0)
             acc_p = tl.load(partial_ptr + part * GROUP * HEAD_DIM + groups[:, None] * HEAD_DIM + dims[None, :],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from draftwise.errors import InvalidParameterError
@@ -27,6 +29,24 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     elif chosen.type != "cpu":
         raise InvalidParameterError(f"device must be cpu, cuda, cuda:N or auto, got {device!r}")
     return chosen
+
+
+def use_device(device: torch.device) -> None:
+    """Make a GPU this thread's current device, and keep cuBLAS's bf16/fp16 split-K reductions in
+    fp32 (reduced in bf16, a row's sums round differently with the split the batch's shape picks;
+    the split itself still varies with the shape, which `tests/test_cuda_row_invariance.py` checks)."""
+    if device.type != "cuda":
+        return
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+
+def on_device(device: torch.device):
+    """A context in which CUDA work (Triton launches, streams, graph captures, which go to the
+    thread's current GPU, not the tensors') goes to `device`; nothing on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -17,7 +17,7 @@ from draftwise.engine.outputs import RequestOutput
 from draftwise.engine.sequence import Sequence
 from draftwise.engine.thread_governor import governor_for
 from draftwise.errors import DraftwiseError, InvalidParameterError, KVCacheFullError, ModelFormatError
-from draftwise.llm.devices import pick_device, pick_dtype
+from draftwise.llm.devices import on_device, pick_device, pick_dtype, use_device
 from draftwise.llm.host_memory import release_freed_memory
 from draftwise.llm.kernel_builds import start_kernel_builds
 from draftwise.llm.prompt_logprobs import prompt_logprobs
@@ -106,6 +106,7 @@ class LLM:
             raise InvalidParameterError(f"enforce_eager=True runs no {step_mode!r} step: pass one or the other")
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
+        use_device(self.device)  # (this thread's current GPU: Triton launches and graph captures go there)
         kernel_builds = start_kernel_builds(self.device.type, progress)  # beside fetching and converting
         self.model_folder = resolve_model(model, progress=progress, load_format=load_format)  # (an error here does not wait for them)
         self.model_name = model
@@ -273,7 +274,8 @@ class LLM:
         if params.bad_words:
             seq.bad_words_ids = bad_word_ids(params.bad_words, lambda text: self.tokenizer.encode_batch([text])[0])
         if params.prompt_logprobs is not None:  # (a pass of its own over the prompt, before the request runs)
-            seq.prompt_logprobs = prompt_logprobs(self.model, prompt_ids, params.prompt_logprobs)
+            with on_device(self.device):
+                seq.prompt_logprobs = prompt_logprobs(self.model, prompt_ids, params.prompt_logprobs)
         return seq
 
     @staticmethod
@@ -389,9 +391,12 @@ class LLM:
         with self._lock, self._drawing():
             return self.engine.step()
 
+    @contextmanager
     def _drawing(self):
-        """Where the step's random draws come from: this LLM's stream if it was seeded."""
-        return self._random.drawing() if self._random is not None else nullcontext()
+        """Where the step runs and its random draws come from: on this LLM's GPU (whichever thread
+        steps it), from this LLM's stream if it was seeded."""
+        with on_device(self.device), self._random.drawing() if self._random is not None else nullcontext():
+            yield
 
     # --- continuous batching: requests join and leave between steps ------------------------
     def add_request(self, prompt: str | TokensPrompt, sampling_params: SamplingParams | None = None, *,

@@ -22,6 +22,7 @@ import torch
 from draftwise.cache import token_tree
 from draftwise.cache.kv_cache import KVCache
 from draftwise.errors import InvalidParameterError, PromptTooLongError
+from draftwise.model.moe import SparseMoE
 from draftwise.model.transformer import Transformer
 from draftwise.runner.static_step import MODES as STEP_MODES, StaticStep
 
@@ -57,7 +58,7 @@ class ModelRunner:
         self.cache = KVCache(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
                              config.head_dim, self.dtype, self.device, prefix_caching)
         self.blocks = self.cache.blocks
-        self.step_mode = _resolve_step_mode(step_mode, self.cache)
+        self.step_mode = _resolve_step_mode(step_mode, self.cache, _routes_on_host(model))
         self.static_step = None if self.step_mode is None else StaticStep(model, self.cache, max_len, self.step_mode,
                                                                           **(step_buckets or {}))
         self._handles = itertools.count()
@@ -240,11 +241,21 @@ class ModelRunner:
                              {layer: h.flatten(0, 1)[fed] for layer, h in captured.items()}, _cumulative(counts))
 
 
-def _resolve_step_mode(step_mode: str | None, cache: KVCache) -> str | None:
+def _routes_on_host(model: Transformer) -> bool:
+    """Whether a pass reads values back to the host mid-way (a mixture of experts picks its experts'
+    tokens there): no CUDA graph can capture it, nor a full-graph compile trace it."""
+    return any(isinstance(module, SparseMoE) for module in model.modules())
+
+
+def _resolve_step_mode(step_mode: str | None, cache: KVCache, routes_on_host: bool = False) -> str | None:
     if step_mode == "auto":
-        return "graph" if cache.keys.device.type == "cuda" and cache.kernel is not None else None
+        captured = cache.keys.device.type == "cuda" and cache.kernel is not None and not routes_on_host
+        return "graph" if captured else None
     if step_mode is not None and step_mode not in STEP_MODES:
         raise InvalidParameterError(f"step_mode must be one of auto, {', '.join(STEP_MODES)} or None, got {step_mode!r}")
+    if step_mode in ("graph", "compile") and routes_on_host:
+        raise InvalidParameterError(f"step_mode {step_mode!r} cannot run a mixture-of-experts model (its routing "
+                                    "reads the chosen experts back to the host mid-pass): use 'eager' or auto")
     if step_mode is not None and cache.kernel is None:
         raise InvalidParameterError(
             f"step_mode {step_mode!r} needs a paged-attention kernel, and there is none for a "
