@@ -164,17 +164,12 @@ def test_each_api_key_is_a_tenant_across_the_ingress_and_its_replicas(tiny_qwen)
 
     from draftwise import LLM
     from draftwise.scaleout.asgi_call import call_asgi
-    from draftwise.scaleout.ingress import Ingress
     from draftwise.server.app import build_app
     from draftwise.server.async_engine import AsyncEngine
     from draftwise.server.security import tenant_of
 
-    from types import SimpleNamespace
-
-    from draftwise.server.security import api_keys
-
-    ingress = SimpleNamespace(allowed_hosts=frozenset({"*"}), api_keys=api_keys(["alpha", "beta"]))
-    check_key = Ingress.func_or_class._check_key  # (Ray Serve builds the deployment: its check alone here)
+    ingress_class, ingress = stand_in_ingress([StandInReplica(None)], api_key=("alpha", "beta"))
+    check_key = ingress_class._check_key
 
     def request_with(key: str, scheme: str = "Bearer") -> Request:
         return Request({"type": "http", "method": "POST", "path": "/v1/completions",
@@ -220,6 +215,209 @@ def test_scale_out_flags_are_checked_before_anything_starts(tiny_qwen):
         build({"serve_args": [], "routing": "round_robin"}, make_server=None)
     with pytest.raises(InvalidParameterError, match="max_request_bytes must be"):
         build({"serve_args": [], "max_request_bytes": 10}, make_server=None)
+
+
+# --- the ingress in-process, in front of stand-in replicas --------------------------------------
+class StandInStream:
+    """What a Ray Serve streaming handle call gives the ingress: items, then the end; `cancel()`."""
+
+    def __init__(self, items: list, hang: bool = False) -> None:
+        self.items, self.hang, self.cancelled = list(items), hang, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        import asyncio
+
+        if self.hang:
+            await asyncio.sleep(3600)
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class StandInReplica:
+    """A replica deployment's handle: `forward` calls answered by `answer(*args)` (a StandInStream)."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.calls, self.streams = answer, [], []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def forward(self):
+        return self
+
+    def remote(self, *args):
+        self.calls.append(args)
+        self.streams.append(stream := self.answer(*args))
+        return stream
+
+
+def stand_in_ingress(replicas: list, **options):
+    from draftwise.scaleout.ingress import Ingress
+
+    ingress_class = Ingress.func_or_class.__mro__[1]  # (the class Ray Serve wraps)
+    ingress = ingress_class(*replicas, replica_names=tuple(f"r{i}" for i in range(len(replicas))), **options)
+    for index in range(len(replicas)):
+        ingress._mark(index, True)
+    ingress._prober = SimpleNamespaceTask()  # (no probe rounds: the replicas are up)
+    return ingress_class, ingress
+
+
+class SimpleNamespaceTask:
+    def done(self) -> bool:
+        return False
+
+
+def http_request(method: str, path: str, body: bytes = b"", headers: tuple = (("host", "localhost"),)):
+    import asyncio
+
+    from starlette.requests import Request
+
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    return Request({"type": "http", "method": method, "path": path, "query_string": b"",
+                    "headers": [(k.encode(), v.encode()) for k, v in headers]}, receive)
+
+
+def test_a_client_gone_before_or_at_the_answer_frees_its_replica_and_aborts_its_request():
+    """Cancelled while the replica works (a non-streaming answer's first byte is its last), or gone
+    when the response starts: either way the router's count returns to 0 and the replica's request
+    is cancelled (the count leaked before, and with it every drain waited its whole timeout)."""
+    import asyncio
+
+    ok = [{"status": 200, "headers": [("content-type", "text/event-stream")]}, b"data: 1\n\n"]
+    waiting = StandInReplica(lambda *args: StandInStream([], hang=True))
+    answering = StandInReplica(lambda *args: StandInStream(ok))
+    body = b'{"model": "m", "prompt": "hi"}'
+
+    async def cancelled_while_waiting():
+        cls, ingress = stand_in_ingress([waiting])
+        task = asyncio.create_task(cls.forward(ingress, http_request("POST", "/v1/completions", body), ""))
+        await asyncio.sleep(0.1)
+        assert ingress.router.outstanding == [1]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return ingress.router.outstanding, await ingress.drain(0.1)
+
+    assert asyncio.run(cancelled_while_waiting()) == ([0], 0) and waiting.streams[0].cancelled
+
+    from starlette.requests import ClientDisconnect
+
+    async def gone_at_the_start():
+        cls, ingress = stand_in_ingress([answering])
+        response = await cls.forward(ingress, http_request("POST", "/v1/completions", body), "")
+
+        async def send(message):
+            raise OSError("the client went away")
+
+        with pytest.raises(ClientDisconnect):  # (starlette's name for a send that failed)
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, lambda: asyncio.sleep(3600), send)
+        return ingress.router.outstanding
+
+    assert asyncio.run(gone_at_the_start()) == [0] and answering.streams[0].cancelled
+
+
+def test_ingress_metrics_skip_replicas_that_are_down_slow_or_answer_otherwise():
+    """/metrics answers with the replicas that answered with metrics: a replica marked down is not
+    asked (a call there waits for minutes), a slow one is given up on, a 401 (a replica with a key
+    of its own) is left out, not parsed into a 500."""
+    import asyncio
+
+    metrics = b"# HELP draftwise:up_total x\n# TYPE draftwise:up_total counter\ndraftwise:up_total 1.0\n"
+    good = StandInReplica(lambda *args: StandInStream([{"status": 200, "headers": []}, metrics]))
+    refusing = StandInReplica(lambda *args: StandInStream([{"status": 401, "headers": []}, b'{"error": {}}']))
+    slow = StandInReplica(lambda *args: StandInStream([], hang=True))
+    down = StandInReplica(lambda *args: pytest.fail("a replica marked down was asked"))
+
+    async def scrape():
+        cls, ingress = stand_in_ingress([good, refusing, slow, down])
+        ingress._mark(3, False)
+        ingress.probe_timeout = 0.2
+        return await asyncio.wait_for(cls.prometheus(ingress, http_request("GET", "/metrics")), 5)
+
+    response = asyncio.run(scrape())
+    text = response.body.decode()
+    assert response.status_code == 200 and 'draftwise:up_total{replica="0"} 1.0' in text
+    assert 'replica="1"' not in text.split("draftwise:router")[0] and slow.streams[0].cancelled
+
+
+def test_the_ingress_answers_as_one_server_does():
+    """401 with WWW-Authenticate; /health checks Host names; every method reaches a replica (which
+    answers 405 where one server does); a body nested past Python's limit has no affinity key."""
+    import asyncio
+
+    replica = StandInReplica(lambda *args: StandInStream([{"status": 405, "headers": []}, b"{}"]))
+
+    async def answers():
+        cls, ingress = stand_in_ingress([replica], api_key=("alpha",), allowed_hosts=("localhost",))
+        refused = await cls.forward(ingress, http_request("POST", "/v1/completions"), "")
+        foreign = await cls.health(ingress, http_request("GET", "/health", headers=(("host", "evil.example"),)))
+        put = await cls.forward(ingress, http_request("PUT", "/v1/completions", headers=(
+            ("host", "localhost"), ("authorization", "Bearer alpha"))), "")
+        return refused, foreign, put
+
+    refused, foreign, put = asyncio.run(answers())
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert foreign.status_code == 400 and b"invalid_host" in foreign.body
+    assert put.status_code == 405 and replica.calls[0][0] == "PUT"
+    deep = b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    assert affinity_key(CHAT, {}, deep) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"serve_args": "--model m"}, "serve_args must be a list of strings"),
+    ({"serve_args": [], "allowed_hosts": "api.example"}, "allowed_hosts must be a list of strings"),
+    ({"serve_args": [], "api_key": ""}, "api_key"),
+    ({"serve_args": [], "api_key": 123}, "api_key"),
+    ({"serve_args": [], "threads_per_replica": 1.5}, "threads_per_replica must be an integer"),
+    ({"serve_args": [], "max_ongoing_requests": 0}, "max_ongoing_requests must be an integer"),
+    ({"serve_args": [], "drain_timeout": -5}, "drain_timeout must be"),
+])
+def test_serve_config_arguments_are_checked_by_name(args, message):
+    from draftwise.scaleout.application import build
+
+    with pytest.raises(InvalidParameterError, match=message):
+        build(args, make_server=None)
+
+
+def test_replicas_take_no_abbreviated_flag_no_key_of_their_own_and_no_unknown_model(tiny_qwen, monkeypatch, capsys):
+    """An abbreviated ingress flag would reach the replicas (the ingress's flags are left out by exact
+    name): refused. A replica checks no key, even with DRAFTWISE_API_KEY in its environment (the
+    ingress asks its /metrics without one). A bad --model is said before Ray starts."""
+    import asyncio
+
+    from draftwise.cli import main
+    from draftwise.cli.serve import parse_serve_argv, server_from_argv
+    from draftwise.scaleout.asgi_call import call_asgi
+
+    with pytest.raises(SystemExit):
+        parse_serve_argv(["--model", "m", "--api-k", "secret"])
+    monkeypatch.setenv("DRAFTWISE_API_KEY", "secret")
+    app, engine = server_from_argv(["--model", str(tiny_qwen), "--max-model-len", "128", "--allowed-hosts", "*"])
+
+    async def metrics() -> dict:
+        return [item async for item in call_asgi(app, "GET", "/metrics", "", [], b"")][0]
+
+    try:
+        assert asyncio.run(metrics())["status"] == 200
+    finally:
+        engine.drain(0.0)
+    assert main(["serve", "--model", "/nonexistent/model", "--replicas", "1"]) == 2
+    assert "/nonexistent/model" in capsys.readouterr().err
 
 
 # --- a real local Ray cluster --------------------------------------------------------------------

@@ -16,7 +16,9 @@ API_KEY_ENV = "DRAFTWISE_API_KEY"
 def add_parser(commands) -> None:
     from draftwise.server import DEFAULT_MAX_REQUEST_BYTES  # (not the request models: a parser needs no pydantic)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    # (no abbreviated flags: --replicas hands the replicas every flag but the ingress's, by exact name)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                                allow_abbrev=False)
     add_model_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -75,8 +77,9 @@ def check_server_arguments(args: argparse.Namespace) -> None:
                                     "answers no preflight requests")
 
 
-def build_server(args: argparse.Namespace, announce: bool = True):
-    """The engine and its FastAPI app, as `draftwise serve` runs them (one per replica on Ray Serve)."""
+def build_server(args: argparse.Namespace, announce: bool = True, replica: bool = False):
+    """The engine and its FastAPI app, as `draftwise serve` runs them (one per replica on Ray Serve:
+    `replica`, which checks no API key, whatever its environment says: the ingress checks them)."""
     from draftwise.llm import LLM
     from draftwise.server.app import ServerOptions, build_app
     from draftwise.server.async_engine import AsyncEngine
@@ -107,7 +110,7 @@ def build_server(args: argparse.Namespace, announce: bool = True):
     hosts = (frozenset(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
              else default_allowed_hosts(args.host))
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
-    options = ServerOptions(_api_keys(args), hosts, origins,
+    options = ServerOptions(None if replica else _api_keys(args), hosts, origins,
                             ServerLimits(max_request_bytes=args.max_request_bytes), args.drain_timeout)
     engine = AsyncEngine(llm)
     app = build_app(engine, args.served_model_name or args.model, options)
@@ -128,7 +131,7 @@ def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
 
 def server_from_argv(argv: list[str]):
     """(app, engine) from `draftwise serve` arguments: what each replica runs."""
-    return build_server(parse_serve_argv(argv), announce=False)
+    return build_server(parse_serve_argv(argv), announce=False, replica=True)
 
 
 def serve_replicated(args: argparse.Namespace) -> None:
@@ -141,8 +144,11 @@ def serve_replicated(args: argparse.Namespace) -> None:
     from draftwise.scaleout.launch import replica_argv, serve_replicas
     from draftwise.server.security import default_allowed_hosts
 
+    from draftwise.loading.resolve import resolve_model
+
     argv = list(getattr(args, "argv", []) or [])
     argv = argv[argv.index("serve") + 1:] if "serve" in argv else argv
+    resolve_model(args.model, load_format=args.load_format)  # (a bad --model said here, not in a replica's log)
     hosts = (tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
              else tuple(default_allowed_hosts(args.host)))
     config = ReplicatedServer(tuple(replica_argv(argv)), args.replicas, args.threads_per_replica, args.routing,

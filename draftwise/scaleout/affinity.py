@@ -17,6 +17,13 @@ PROMPT_KEY_CHARS = 1024
 
 
 def affinity_key(path: str, headers: Mapping[str, str], body: bytes) -> str | None:
+    try:
+        return _key(path, headers, body)
+    except RecursionError:  # (JSON nested past Python's limit: the replica refuses it by name)
+        return None
+
+
+def _key(path: str, headers: Mapping[str, str], body: bytes) -> str | None:
     session = headers.get("x-session-id")
     if session:
         return "session:" + session

@@ -30,6 +30,7 @@ from draftwise.errors import InvalidParameterError
 from draftwise.scaleout.replica import EngineReplica
 from draftwise.scaleout.routing import POLICIES
 from draftwise.server.requests import DEFAULT_MAX_REQUEST_BYTES
+from draftwise.server.security import api_keys
 
 HEALTH_CHECK_SECONDS = 2.0
 
@@ -52,8 +53,18 @@ class ReplicatedServer:
             raise InvalidParameterError(f"unknown scale-out argument(s): {', '.join(sorted(self.extra))} "
                                         "(known: replicas, threads_per_replica, routing, api_key, allowed_hosts, drain_timeout, "
                                         "max_ongoing_requests, max_request_bytes, serve_args)")
-        if self.replicas < 1 or self.threads_per_replica < 1:
-            raise InvalidParameterError("replicas and threads_per_replica must be at least 1")
+        for name in ("serve_args", "allowed_hosts"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or any(not isinstance(item, str) for item in value):
+                raise InvalidParameterError(f"{name} must be a list of strings, got {value!r}")
+        api_keys(self.api_key)  # (an empty or non-string key refused by name)
+        for name in ("replicas", "threads_per_replica", "max_ongoing_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidParameterError(f"{name} must be an integer of at least 1, got {value!r}")
+        if isinstance(self.drain_timeout, bool) or not isinstance(self.drain_timeout, (int, float)) \
+                or not self.drain_timeout >= 0:
+            raise InvalidParameterError(f"drain_timeout must be a number of seconds >= 0, got {self.drain_timeout!r}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise InvalidParameterError(f"max_request_bytes must be an integer of at least 1024, got {self.max_request_bytes!r}")
         if self.routing not in POLICIES:
@@ -64,7 +75,7 @@ def build(args: dict, make_server):
     """The application from a Serve config's `args` (see above); make_server(argv) -> (app, engine)."""
     known = {"serve_args", "replicas", "threads_per_replica", "routing", "api_key", "allowed_hosts", "drain_timeout",
              "max_ongoing_requests", "max_request_bytes"}
-    config = ReplicatedServer(**{k: (tuple(v) if k in ("serve_args", "allowed_hosts") else v)
+    config = ReplicatedServer(**{k: (tuple(v) if k in ("serve_args", "allowed_hosts") and isinstance(v, list) else v)
                                  for k, v in args.items() if k in known},
                               extra={k: v for k, v in args.items() if k not in known})
     return application(config, make_server)

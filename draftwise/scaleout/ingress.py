@@ -56,6 +56,21 @@ async def limited_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
+class _Released(StreamingResponse):
+    """A streamed answer whose `release` runs however the response ends: its body generator's own
+    `finally` never runs when the response fails before the body starts (a client gone by then)."""
+
+    def __init__(self, content, release, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
@@ -68,6 +83,7 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.api_keys = api_keys(api_key)
         self.max_request_bytes = max_request_bytes
+        self.probe_timeout = PROBE_TIMEOUT  # (seconds a replica gets to answer a probe or a /metrics call)
         for index in range(len(self.replicas)):
             self.router.mark(index, False)  # (until a probe hears from it)
             self.metrics.up.labels(str(index)).set(0)
@@ -97,7 +113,7 @@ class Ingress:
         if not running:
             return None
         try:
-            return await asyncio.wait_for(self.replicas[index].status.remote(), PROBE_TIMEOUT)
+            return await asyncio.wait_for(self.replicas[index].status.remote(), self.probe_timeout)
         except Exception:  # (dead, restarting, or too slow to answer)
             return None
 
@@ -138,9 +154,12 @@ class Ingress:
                             status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/health")
-    async def health(self):
+    async def health(self, request: Request):
         """200 with each replica's state (and process) while any is up; 503 when none is (or while
-        starting or draining). From the probes every PROBE_SECONDS."""
+        starting or draining). From the probes every PROBE_SECONDS. (Host names checked as one server
+        checks them; no key needed.)"""
+        if (refusal := self._check_host(request)) is not None:
+            return refusal
         await self._ensure_prober()
         replicas = {str(i): {"state": "up" if self.router.up[i] and s is not None else "down",
                              "pid": s["pid"] if s is not None else None} for i, s in enumerate(self._last_status)}
@@ -156,11 +175,21 @@ class Ingress:
         await self._ensure_prober()
 
         async def text_of(index: int) -> str | None:
+            """The replica's metrics text; None from one that is down, slow, or answers anything else."""
+            if not self.router.up[index]:  # (a call to a replica Ray is restarting waits for minutes)
+                return None
+            stream = self.replicas[index].options(stream=True).forward.remote("GET", "/metrics", "", [], b"")
+
+            async def read() -> str | None:
+                items = [item async for item in stream]
+                if not items or not isinstance(items[0], dict) or items[0].get("status") != 200:
+                    return None
+                return b"".join(item for item in items if isinstance(item, bytes)).decode()
+
             try:
-                chunks = [item async for item in self.replicas[index].options(stream=True).forward.remote(
-                    "GET", "/metrics", "", [], b"")]
-                return b"".join(c for c in chunks if isinstance(c, bytes)).decode()
+                return await asyncio.wait_for(read(), self.probe_timeout)
             except Exception:
+                stream.cancel()
                 return None
 
         texts = await asyncio.gather(*(text_of(i) for i in range(len(self.replicas))))
@@ -168,24 +197,29 @@ class Ingress:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- everything else: one replica answers -----------------------------------------------
-    def _check_key(self, request: Request) -> Response | None:
-        """The Host allowlist and the API key, as one server checks them (its replicas take any Host);
-        the key's tenant is left in request.state.tenant for the replica."""
+    def _check_host(self, request: Request) -> Response | None:
+        """The Host allowlist, as one server checks it (its replicas take any Host)."""
         host = host_name(request.headers.get("host", ""))
         if "*" not in self.allowed_hosts and host not in self.allowed_hosts:
             return JSONResponse(error_body(f"Host {host!r} is not allowed here (allowed: "
                                            f"{', '.join(sorted(self.allowed_hosts))}); start the server with "
                                            "--allowed-hosts to add names", code="invalid_host"), status_code=400)
-        if not self.api_keys:
-            return None
+        return None
+
+    def _check_key(self, request: Request) -> Response | None:
+        """The Host allowlist and the API key, as one server checks them; the key's tenant is left in
+        request.state.tenant for the replica."""
+        if (refusal := self._check_host(request)) is not None or not self.api_keys:
+            return refusal
         tenant = tenant_for(request.headers.get("authorization", ""), [key.encode() for key in self.api_keys])
         if tenant is not None:
             request.state.tenant = tenant
             return None
         return JSONResponse(error_body("invalid or missing API key", "authentication_error", code="invalid_api_key"),
-                            status_code=401)
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    # (every method: the replica answers what one server answers, a 405 included)
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def forward(self, request: Request, path: str):
         if (refusal := self._check_key(request)) is not None:
             return refusal
@@ -219,26 +253,37 @@ class Ingress:
                 self._mark(index, False)
                 self.metrics.replica_failures.labels(str(index), "before_response").inc()
                 tried.add(index)
+            except BaseException:  # the client went away while the replica worked: its request is aborted
+                stream.cancel()
+                self.router.finished(index)
+                raise
         response_headers = {k: v for k, v in head["headers"] if k.lower() not in _HOP_HEADERS}
         response_headers[REPLICA_HEADER] = str(index)
         event_stream = response_headers.get("content-type", "").startswith("text/event-stream")
+        state = {"finished": False, "released": False}
+
+        def release() -> None:
+            """Once, however the response ended: the replica's request aborted unless it finished
+            (a client gone: a disconnect there), its slot returned to the router."""
+            if not state["released"]:
+                state["released"] = True
+                if not state["finished"]:
+                    stream.cancel()
+                self.router.finished(index)
 
         async def body_chunks():
-            finished = False
             try:
                 async for chunk in stream:
                     yield chunk
-                finished = True
+                state["finished"] = True
             except Exception as error:  # the replica died mid-answer
-                finished = True
+                state["finished"] = True
                 logger.warning("replica %d failed mid-stream: %s", index, error)
                 self._mark(index, False)
                 self.metrics.replica_failures.labels(str(index), "mid_stream").inc()
                 if event_stream:
                     yield stream_error_event(f"replica {index} failed while streaming: {type(error).__name__}")
             finally:
-                if not finished:  # the client went away: the replica's request is aborted (a disconnect there)
-                    stream.cancel()
-                self.router.finished(index)
+                release()
 
-        return StreamingResponse(body_chunks(), status_code=head["status"], headers=response_headers)
+        return _Released(body_chunks(), release, status_code=head["status"], headers=response_headers)

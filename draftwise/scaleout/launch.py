@@ -7,10 +7,12 @@ group reaches the local Ray cluster's own processes too, which then stop at once
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 import threading
 
+from draftwise.errors import DraftwiseError
 from draftwise.scaleout.application import ReplicatedServer, application
 
 # `draftwise serve` flags the ingress or Ray take; the rest configure each replica's engine
@@ -44,7 +46,13 @@ def serve_replicas(config: ReplicatedServer, make_server, *, host: str, port: in
     else:
         ray.init(num_cpus=config.replicas * config.threads_per_replica, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    ingress = serve.run(application(config, make_server), name=APP_NAME, route_prefix="/")
+    try:
+        ingress = serve.run(application(config, make_server), name=APP_NAME, route_prefix="/")
+    except RuntimeError as error:  # (a replica that cannot build its server: Ray says only that it failed)
+        ray.shutdown()
+        raise DraftwiseError(f"the replicas did not start: {str(error).splitlines()[0]} (each replica builds the "
+                             f"server `draftwise serve {shlex.join(config.serve_args)}` builds: run that alone to "
+                             "see why; Ray's logs are in /tmp/ray/session_latest/logs)") from None
     print(f"{READY_LINE}: {config.replicas} replica(s) x {config.threads_per_replica} thread(s) of {description} "
           f"on http://{host}:{port}/v1 (routing: {config.routing})", file=sys.stderr, flush=True)
     stop = threading.Event()

@@ -135,6 +135,8 @@ def tenant_of(key: bytes) -> str:
 
 def api_keys(given: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
     """The keys a server accepts, from one key or several; an empty key is refused by name."""
+    if given is not None and not isinstance(given, (str, list, tuple)):
+        raise InvalidParameterError(f"api_key: one key or a list of keys, got {given!r}")
     keys = (given,) if isinstance(given, str) else tuple(given or ())
     if any(not isinstance(key, str) or not key.strip() for key in keys):
         raise InvalidParameterError("api_key: an API key must be a non-empty string")
