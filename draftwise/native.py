@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -103,9 +104,12 @@ def build(family: str, builds: tuple[Build, ...]):
 
 
 def build_folder(family: str, which: Build) -> Path:
-    """Where a build's objects and extension go: one folder per family, ISA, sources and PyTorch."""
+    """Where a build's objects and extension go: one folder per family, ISA, sources, PyTorch and
+    Python (an extension built for one Python fails to import in another: two environments sharing
+    the cache would otherwise lose the kernels, silently)."""
     version = torch.__version__.replace("+", "-")
-    return cache_root() / "kernels" / f"{family}-{which.isa}-{which.digest()}-torch{version}"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_root() / "kernels" / f"{family}-{which.isa}-{which.digest()}-torch{version}-{python}"
 
 
 def extension_name(family: str, which: Build) -> str:

@@ -109,3 +109,13 @@ def test_a_build_left_unfinished_by_a_killed_process_does_not_hang_the_next_star
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
     assert result.stdout.strip().endswith("loaded"), result.stdout[-2000:] + result.stderr[-2000:]
     assert not (copy / "lock").exists()
+
+
+def test_a_build_is_kept_per_python_as_per_pytorch():
+    """An extension built for one Python does not import in another: two environments sharing the
+    cache each build their own rather than lose the kernels to a failed import."""
+    from draftwise.cache.attention_backend import BUILDS
+
+    which = BUILDS[0]
+    name = native.build_folder("attention", which).name
+    assert name.endswith(f"-py{sys.version_info.major}{sys.version_info.minor}") and "-torch" in name
