@@ -229,3 +229,29 @@ def test_the_target_drafting_for_itself_accepts_everything_at_any_row_count(tiny
     metrics = llm.spec_metrics
     assert metrics.num_draft_tokens >= rows * 3 and metrics.num_accepted_tokens == metrics.num_draft_tokens
     assert (step_mode == "eager") == bool(llm.runner.static_step and llm.runner.static_step._seen)
+
+
+def test_a_request_is_admitted_only_beside_what_the_running_ones_next_step_takes():
+    """A running request drafting 8 tokens a step in blocks of 4 takes up to 3 blocks a step: a new
+    request is admitted only if the blocks left hold its own step beside that (with one block of
+    headroom per running request it was admitted, preempted at the next step, admitted again...)."""
+    from types import SimpleNamespace
+
+    from draftwise.cache.block_manager import BlockManager
+    from draftwise.engine.scheduler import Scheduler
+
+    def request(row=None):
+        return SimpleNamespace(token_ids=[1, 2, 3, 4], prompt_token_ids=[1, 2, 3, 4], num_tokens_left=20, row=row,
+                               metrics=SimpleNamespace(num_preemptions=0))
+
+    def scheduler_over(num_blocks: int) -> Scheduler:
+        blocks = BlockManager(num_blocks, block_size=4)
+        scheduler = Scheduler(blocks, max_num_seqs=4, step_tokens=lambda seq: 9, release=lambda seq: None)
+        blocks.add(0)
+        blocks.grow(0, 4)
+        scheduler.running.append(request(row=0))  # holds 1 block, its next step takes 3 more
+        scheduler.add(request())  # its prefill and first step: blocks_for(4 + 9) = 4
+        return scheduler
+
+    assert not scheduler_over(7).schedule().is_prefill  # 6 free < 3 + 4: it waits
+    assert scheduler_over(8).schedule().is_prefill  # 7 free: it fits

@@ -310,3 +310,14 @@ def test_load_48_concurrent_streaming_clients_lose_nothing(server, reference, ll
     drafted_before = llm.spec_metrics.num_draft_tokens
     assert asyncio.run(all_clients()) == expected
     assert llm.spec_metrics.num_draft_tokens > drafted_before
+
+
+def test_serve_seed_seeds_the_engines_random_stream(tiny_qwen):
+    """`draftwise serve --seed N` (vLLM's flag) builds the engine with LLM(seed=N): its requests
+    without a seed draw from the LLM's own seeded stream (tests/test_seeded.py)."""
+    from draftwise.cli.serve import server_from_argv
+
+    for extra, seeded in ((["--seed", "7"], True), ([], False)):
+        app, engine = server_from_argv(["--model", str(tiny_qwen), "--max-model-len", "128", *extra])
+        engine.drain(0.0)
+        assert (engine.llm._random is not None) == seeded

@@ -31,6 +31,9 @@ def add_parser(commands) -> None:
     serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
+    serve.add_argument("--seed", type=int, default=None,
+                       help="seed of the engine's random stream (vLLM's --seed): requests without a seed of their own "
+                            "draw from it, so the same requests in the same order give the same tokens again")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: 4096, or the model's if fewer)")
     serve.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -98,7 +101,7 @@ def build_server(args: argparse.Namespace, announce: bool = True, replica: bool 
                                     f"{[spec.name for spec in all_specs()]}")
     llm = LLM(args.model, **model_keywords(args),
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
-              speculative=speculative_from_args(args, methods))
+              speculative=speculative_from_args(args, methods), seed=args.seed)
     given = given_options(args)  # (the drafter options given apply to the per-request drafters taking them)
     for method in methods:  # built (and their costs measured) now: no request waits for a build
         try:

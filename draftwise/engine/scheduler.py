@@ -9,7 +9,9 @@ new ones are admitted.
 Memory: a request is admitted only if the free KV blocks hold its context plus a step's growth
 (`step_tokens(seq)`: the most tokens a decode step appends to its row, 1 + its drafter's largest
 draft, a tree's nodes counted; never more than the request may still emit, which drafts never
-exceed), with one block of headroom per running request. Before a decode step every running request
+exceed), beside the blocks every running request's own next step takes (one block of headroom each
+was too little where a step appends more than a block: the request admitted was preempted at the
+next step, readmitted, preempted...). Before a decode step every running request
 must be able to grow so; if the blocks run short the request admitted last is preempted: its blocks
 are freed and it goes back to the front of the queue with everything it generated, and on
 readmission its prefill recomputes the cache from its tokens, so its output is unchanged. A request
@@ -95,13 +97,15 @@ class Scheduler:
         if len(self.running) >= self.max_num_seqs:
             return False
         needed = self.blocks.blocks_for(self._after_step(seq))
-        return needed + len(self.running) <= self.blocks.num_free_blocks
+        return needed + sum(map(self._growth_blocks, self.running)) <= self.blocks.num_free_blocks
 
     def _after_step(self, seq: Sequence) -> int:
         """The most tokens the request's row holds during its next decode step."""
         return len(seq.token_ids) + min(self.step_tokens(seq), seq.num_tokens_left)
 
     def _growth_blocks(self, seq: Sequence) -> int:
+        if seq.row is None:  # (not prefilled yet: nothing of it held)
+            return self.blocks.blocks_for(self._after_step(seq))
         held = len(self.blocks.tables[seq.row])
         return max(0, self.blocks.blocks_for(self._after_step(seq)) - held)
 
