@@ -542,3 +542,27 @@ def test_processors_suite_compares_speculation_with_penalties_and_logprobs(setti
     assert summary["draft:k=3"]["penalties"]["equal_to_plain"] == 2
     assert summary["draft:k=3"]["penalties"]["acceptance_rate"] == 1.0  # the target drafting for itself
     assert all(gap < 1e-4 for gap in report.data["logprob_differences"].values())
+
+
+def test_the_hf_peer_runs_the_prompt_ids_draftwise_runs():
+    """A transformers tokenizer puts its BOS first even before a chat template's own (two BOS: the
+    peer would run another prompt); the peer takes the text as written, BOS added only where missing."""
+    from draftwise.benchmark.peers import peer_prompt_ids
+
+    class LlamaLike:  # (a tokenizer that adds a BOS, id 1, written "<s>")
+        bos_token_id, add_bos_token = 1, True
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = [1] if text.startswith("<s>") else []
+            ids += [ord(c) for c in text.removeprefix("<s>")]
+            return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+    assert peer_prompt_ids(LlamaLike(), "<s>hi") == [1, ord("h"), ord("i")]
+    assert peer_prompt_ids(LlamaLike(), "hi") == [1, ord("h"), ord("i")]
+    LlamaLike.add_bos_token = False
+    assert peer_prompt_ids(LlamaLike(), "hi") == [ord("h"), ord("i")]
+
+
+def test_a_prefill_run_whose_context_holds_no_length_is_refused_up_front(settings):
+    with pytest.raises(InvalidParameterError, match="holds none of the prompt lengths"):
+        run_suite("prefill", replace(settings, max_model_len=64))

@@ -101,10 +101,22 @@ class HFConfig:
     def _generate(self, prompt: str, max_tokens: int) -> list[int]:
         import torch
 
-        inputs = self.tokenizer(prompt, return_tensors="pt")
+        ids = peer_prompt_ids(self.tokenizer, prompt)
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         with torch.inference_mode():
             output = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **self.extra)
-        return output[0, inputs["input_ids"].shape[1]:].tolist()
+        return output[0, len(ids):].tolist()
+
+
+def peer_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids as draftwise's tokenizer gives them (`Tokenizer.encode`): its text as written
+    (a chat template's BOS included), a BOS put first only where the model adds one and the text
+    has none (a transformers tokenizer adds it even before the template's own: two)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+        ids = [bos, *ids]
+    return ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from draftwise.benchmark.runner import lineup, run_benchmark
 from draftwise.benchmark.suites import BenchSettings
 from draftwise.benchmark.suites.quantization import PACKAGE, SAMPLE_FILES
 from draftwise.benchmark.suites.speculative import tokenizer_of
+from draftwise.errors import InvalidParameterError
 from draftwise.quant.native import amx_tiles_here
 from draftwise.sampling.params import SamplingParams
 
@@ -36,6 +37,10 @@ def run(settings: BenchSettings) -> SuiteReport:
     tokenizer = tokenizer_of(settings.model)
     params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens or 8)
     items = prompts_by_length(tokenizer, settings.per_category or 2, settings.max_model_len - params.max_tokens - 1)
+    if not items:  # (before anything is built: nothing would be timed)
+        raise InvalidParameterError(f"--max-model-len {settings.max_model_len} holds none of the prompt lengths "
+                                    f"timed ({', '.join(map(str, LENGTHS))} tokens and {params.max_tokens} more): "
+                                    f"give at least {LENGTHS[0] + params.max_tokens + 1}")
     base = LLMRecipe(settings.model, max_model_len=settings.max_model_len, prefix_caching=False)
     recipes = [DraftwiseRecipe(OFF, replace(base, prompt_kernels=False), params, reference=None),
                DraftwiseRecipe(ON, replace(base, prompt_kernels=True), params, reference=OFF),
