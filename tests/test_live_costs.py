@@ -50,6 +50,25 @@ def test_the_planners_whole_run_costs_are_the_median_of_every_step_not_the_last_
     assert planner.draft_seconds(2) == pytest.approx(0.040)
 
 
+def test_whole_run_medians_are_exact_and_cost_nothing_at_any_length():
+    """The planner's ratios are kept in order as they come: the median of every one so far, exactly
+    as statistics.median gives it (odd and even counts), without re-sorting the run at each step."""
+    import statistics
+
+    from draftwise.speculative.control.live_costs import Ratios
+
+    draw, ratios, seen = random.Random(5), Ratios(None), []
+    for _ in range(301):
+        seen.append(draw.uniform(0.5, 2.0))
+        ratios.append(seen[-1])
+        assert ratios.median() == statistics.median(seen)
+    assert ratios.lower_quartile() == sorted(seen)[len(seen) // 4]
+    windowed = Ratios(WINDOW)
+    for value in seen:
+        windowed.append(value)
+    assert len(windowed) == WINDOW and windowed.median() == statistics.median(seen[-WINDOW:])
+
+
 def test_live_costs_stay_monotone_in_n_whatever_the_noise_says():
     live = LiveCostModel(synthetic())
     for _ in range(5):

@@ -31,6 +31,7 @@ the live costs carry on meanwhile.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 from collections import deque
@@ -47,6 +48,39 @@ MAX_LAG_OBSERVED = 2  # a drafter's call is timed if no row absorbed more (the n
 PRIOR_FAR = 1.5  # the live plain step this far from the prior's (either way): the prior is dropped
 
 
+class Ratios:
+    """Observed / prior ratios: the last `window` of them, or all of them (window None: the planner's
+    whole run, kept in order as they come so that a median costs nothing at any length; a median
+    of a growing run re-sorted at every step made a long run's steps ever dearer)."""
+
+    def __init__(self, window: int | None) -> None:
+        self.window = window
+        self._recent: deque = deque(maxlen=window)
+        self._ordered: list[float] = []
+
+    def append(self, ratio: float) -> None:
+        if self.window is None:
+            bisect.insort(self._ordered, ratio)
+        else:
+            self._recent.append(ratio)
+
+    def __len__(self) -> int:
+        return len(self._recent) + len(self._ordered)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def median(self) -> float:
+        if self.window is not None:
+            return statistics.median(self._recent)
+        middle = len(self._ordered) // 2
+        return self._ordered[middle] if len(self._ordered) % 2 else (self._ordered[middle - 1] + self._ordered[middle]) / 2
+
+    def lower_quartile(self) -> float:
+        ordered = self._ordered if self.window is None else sorted(self._recent)
+        return ordered[len(ordered) // 4]
+
+
 class LiveCostModel(CostModel):
     """A `CostModel` whose tables move with what the engine measures (the prior's own tables are kept)."""
 
@@ -59,10 +93,10 @@ class LiveCostModel(CostModel):
         self.prior_path = prior_path  # the cached profile, dropped if the evidence contradicts it
         self.prior_dropped = False
         self._window = None if whole_run else WINDOW
-        self._target_ratios: dict[int, deque] = {}  # n -> recent observed / prior ratios
-        self._all_target_ratios: deque = deque(maxlen=self._window)
-        self._draft_ratios: deque = deque(maxlen=None if whole_run else DRAFT_WINDOW)
-        self._catch_up_ratios: deque = deque(maxlen=None if whole_run else DRAFT_WINDOW)
+        self._target_ratios: dict[int, Ratios] = {}  # n -> recent observed / prior ratios
+        self._all_target_ratios = Ratios(self._window)
+        self._draft_ratios = Ratios(None if whole_run else DRAFT_WINDOW)
+        self._catch_up_ratios = Ratios(None if whole_run else DRAFT_WINDOW)
 
     # --- evidence -----------------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
@@ -70,7 +104,7 @@ class LiveCostModel(CostModel):
         if num_tokens < 1 or seconds <= 0 or num_tokens > max(self.prior.target):
             return  # prefills past the profiled range say nothing about decoding steps
         ratio = seconds / self.prior.target_seconds(num_tokens)
-        self._target_ratios.setdefault(num_tokens, deque(maxlen=self._window)).append(ratio)
+        self._target_ratios.setdefault(num_tokens, Ratios(self._window)).append(ratio)
         self._all_target_ratios.append(ratio)
         self._refit_target()
         self._check_prior()
@@ -93,7 +127,7 @@ class LiveCostModel(CostModel):
         if predicted <= 0:
             return
         self._draft_ratios.append(seconds / predicted)
-        scale = statistics.median(self._draft_ratios) if len(self._draft_ratios) >= MIN_SAMPLES else 1.0
+        scale = self._draft_ratios.median() if len(self._draft_ratios) >= MIN_SAMPLES else 1.0
         self.draft = {k: s * scale for k, s in self.prior.draft.items()}
         if not self._catch_up_ratios:
             self.catch_up = self.prior.catch_up * scale  # no catch-up timed yet: it moves with the drafter
@@ -104,7 +138,7 @@ class LiveCostModel(CostModel):
             return
         absorbing = max(0.0, seconds - self.batch_draft_seconds(num_draft_tokens))
         self._catch_up_ratios.append(absorbing / predicted)
-        self.catch_up = self.prior.catch_up * statistics.median(self._catch_up_ratios)
+        self.catch_up = self.prior.catch_up * self._catch_up_ratios.median()
 
     def observe_step(self, timing, method: str | None = None) -> None:
         """An engine step's `StepTiming`: its target pass (prefills are no verification: skipped)
@@ -125,9 +159,9 @@ class LiveCostModel(CostModel):
     def target_ratio(self, num_tokens: int) -> float:
         own = self._target_ratios.get(num_tokens, ())
         if len(own) >= MIN_SAMPLES:
-            return statistics.median(own)
+            return own.median()
         if len(self._all_target_ratios) >= MIN_SAMPLES:
-            return statistics.median(self._all_target_ratios)
+            return self._all_target_ratios.median()
         return 1.0
 
     def _refit_target(self) -> None:
@@ -148,7 +182,7 @@ class LiveCostModel(CostModel):
         plain = self._target_ratios.get(1, ())
         if self.prior_dropped or len(plain) < WINDOW:
             return
-        ratio = sorted(plain)[len(plain) // 4]
+        ratio = plain.lower_quartile()
         if ratio > PRIOR_FAR or ratio < 1 / PRIOR_FAR:
             self.prior_dropped = True
             logger.warning("the cached cost profile is %.2fx the plain steps measured now: it was measured under "
