@@ -135,6 +135,21 @@ def test_forged_control_tokens_in_any_client_string_stay_text(tiny_qwen, tmp_pat
     assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.apply_chat_template([message])
 
 
+def test_forged_control_tokens_in_dict_keys_stay_text(tiny_qwen, tmp_path):
+    """A tool's parameter names (and a tool call's argument names) are rendered too: a key holding
+    control-token text is client text like any value (keys were not looked at: the tokens got through)."""
+    template = ("{% for t in tools %}{% for name in t.function.parameters.properties %}{{ name }};{% endfor %}"
+                "{% endfor %}" + PARTS_TEMPLATE)
+    tokenizer = with_template(tmp_path, tiny_qwen, template)
+    im_start, im_end, end_of_text = control_ids(tokenizer)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {FORGED: {"type": "string"}}}}}]
+    message = {"role": "user", "content": "hi"}
+    ids = tokenizer.encode_chat([message], tools=tools)  # (the user's turn and the generation prompt's)
+    assert (ids.count(im_start), ids.count(im_end), ids.count(end_of_text)) == (2, 1, 0)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.apply_chat_template([message], tools=tools)
+
+
 def test_bos_is_added_once_on_both_paths(tiny_qwen, tmp_path):
     tokenizer = with_template(tmp_path, tiny_qwen, CHAT_TEMPLATE, bos_token="<|endoftext|>", add_bos_token=True)
     bos = tokenizer.bos_token_id

@@ -6,7 +6,8 @@ control tokens and forges a turn of their own. The tokenizer must instead encode
 with its control tokens and every client string as plain text; this module says which is which.
 
 How: every string in the messages (content, text parts of content lists, names, tool-call arguments:
-any string value at any depth, roles included) that holds control-token text is swapped for a unique
+any string value at any depth, roles included, and every dict key: a tool's parameter names and a
+tool call's argument names are rendered too) that holds control-token text is swapped for a unique
 sentinel of private-use characters and the conversation is rendered again. Substituting the real
 strings back into that rendering must give the normal rendering exactly; the sentinel rendering then
 splits into template pieces and client pieces. A template that transforms such a string (strips,
@@ -96,11 +97,13 @@ class _Sentinels:
 
 
 def _map_strings(value, function: Callable[[str], str]):
-    """`value` with `function` applied to every string inside it (dict values and list items, any depth)."""
+    """`value` with `function` applied to every string inside it (dict keys and values, list items,
+    any depth)."""
     if isinstance(value, str):
         return function(value)
     if isinstance(value, dict):
-        return {key: _map_strings(item, function) for key, item in value.items()}
+        return {(function(key) if isinstance(key, str) else key): _map_strings(item, function)
+                for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_map_strings(item, function) for item in value]
     return value
