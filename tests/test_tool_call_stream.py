@@ -60,3 +60,14 @@ def test_a_call_cut_off_at_the_end_streams_as_the_content_a_whole_answer_has(siz
     deltas = stream(cut, size)
     assert "".join(delta.get("content", "") for delta in deltas) == cut == answer_message(cut)[0]["content"]
     assert not any("tool_calls" in delta for delta in deltas)
+
+
+@pytest.mark.parametrize("text", ["Sure.\n" + CALL, "A <tool_call>{oops}</tool_call> B " + CALL, CALL])
+def test_streamed_content_is_the_unstreamed_messages_content(text):
+    """Content ends at the first `<tool_call>` in both, whitespace kept (it was stripped unstreamed,
+    and cut at the first valid call, so a stream lost text the message kept)."""
+    from draftwise.server.tools import answer_message
+
+    message, calls_tools = answer_message(text)
+    streamed = "".join(delta.get("content", "") for delta in stream(text, 4))
+    assert calls_tools and streamed == (message["content"] or "")

@@ -35,7 +35,7 @@ class Sequence:
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self._detokenizer = IncrementalDetokenizer.after(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._text_end: int | None = None  # where a stop string cut the text
         self._streamed = 0  # characters of text already handed out as deltas
         self.metrics = RequestMetrics(len(prompt_token_ids), 0, time.perf_counter(), None, None, SpecMetrics())
@@ -87,7 +87,8 @@ class Sequence:
                 self.finish_reason = "length"
         self.metrics.num_generated_tokens = len(self.output_ids)
         if self.finished:
-            self._detokenizer.flush()
+            if self._flush():
+                self.finish_reason = "stop"
             self.metrics.finish_time = now
         return committed
 
@@ -95,8 +96,15 @@ class Sequence:
         """End the request from outside (cancelled, say)."""
         if not self.finished:
             self.finish_reason = reason
-            self._detokenizer.flush()
+            self._flush()
             self.metrics.finish_time = time.perf_counter()
+
+    def _flush(self) -> bool:
+        """The text held back (an incomplete character) out at the end, checked for stop strings as
+        any other; whether one ends in it."""
+        flushed = self._detokenizer.flush()
+        return (bool(flushed) and self._text_end is None and len(self.output_ids) >= self.params.min_tokens
+                and self._find_stop_string(len(flushed)))
 
     def fail(self, message: str, reason: str) -> None:
         """End the request because something went wrong while computing it (`finish_reason` "error")."""

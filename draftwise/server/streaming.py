@@ -44,7 +44,7 @@ class ChoiceStream:
         self.index, self.context = index, context
         self.calls = ToolCallStream() if context.chat and context.calls_tools else None
         self.listed = 0  # tokens whose logprobs were sent
-        self.text_offset = len(context.echo or "")  # characters sent (completions' text_offset)
+        self.text_offset = len(context.echo or "")  # characters of the tokens listed (completions' text_offset)
 
     def opening(self, first: RequestOutput) -> list[dict]:
         """The chunk before any token: chat's role; a completion's echoed prompt (and its logprobs)."""
@@ -71,9 +71,10 @@ class ChoiceStream:
             logprobs = context.logprobs.body(output.logprobs[self.listed:], output.token_ids[self.listed:],
                                              self.text_offset)
             self.listed = len(output.token_ids)
+            if not chat and logprobs["tokens"]:  # (the listed tokens' text, held back or not: as unstreamed)
+                self.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             deltas = deltas or [{} if chat else ""]  # (a chunk of its own for tokens whose text is held back)
         out = [self._chunk(content, logprobs=logprobs if i == 0 else None) for i, content in enumerate(deltas)]
-        self.text_offset += len(output.delta)
         if output.finished:
             reason = output.finish_reason
             if self.calls is not None and self.calls.called and reason == "stop":

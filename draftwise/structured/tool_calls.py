@@ -66,18 +66,14 @@ def call_schema(function: Function) -> dict:
 
 
 def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(the text before the first call, the calls) of a finished answer. A block that is not a call
-    (not JSON, no name) is left in the text: only what the grammar produced is read as a call."""
-    calls, first = [], None
-    for match in _BLOCK.finditer(text):
-        call = _read_call(match.group(1))
-        if call is None:
-            continue
-        calls.append(call)
-        first = match.start() if first is None else first
+    """(the text before the calls, the calls) of a finished answer: where one is, the content ends at
+    the first `<tool_call>`, as a stream's does (`ToolCallStream`), its whitespace kept (vLLM's
+    Hermes parser keeps it). A block that is not a call (not JSON, no name) is no call; without any
+    call the whole text is the content: only what the grammar produced is read as a call."""
+    calls = [call for call in map(_read_call, (match.group(1) for match in _BLOCK.finditer(text))) if call is not None]
     if not calls:
         return text, []
-    return text[:first].rstrip(), calls
+    return text[:text.find(OPEN)], calls
 
 
 def _read_call(body: str) -> ToolCall | None:

@@ -251,6 +251,9 @@ def _token_text(token) -> str | None:
     return token
 
 
+PROMPT_CONTEXT_TOKENS = 5  # the prompt's tokens an output's first tokens are decoded after
+
+
 @dataclass
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
@@ -265,6 +268,18 @@ class IncrementalDetokenizer:
     text: str = ""
     _prefix_offset: int = 0
     _read_offset: int = 0
+
+    @classmethod
+    def after(cls, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        """One that decodes what follows `prompt_ids`: its window starts with the prompt's last few
+        tokens (as vLLM's does), so the first output token is decoded as it reads after the prompt (a
+        SentencePiece decoder strips the leading space of a text's first token: " Paris" alone
+        decodes "Paris"). Not where the prompt ends inside a character: its bytes would join the
+        output's."""
+        tail = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        if not tail or tokenizer.decode(tail, skip_special_tokens).endswith("\ufffd"):
+            return cls(tokenizer, skip_special_tokens)
+        return cls(tokenizer, skip_special_tokens, tail, "", 0, len(tail))
 
     def add(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be empty)."""
