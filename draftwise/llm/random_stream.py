@@ -18,7 +18,11 @@ class RandomStream:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
+            # (this LLM's generators alone: torch.manual_seed would reseed every GPU's, for good)
+            torch.random.default_generator.manual_seed(seed)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
             self.states = self._states()
 
     @contextmanager
