@@ -563,6 +563,6 @@ def test_the_hf_peer_runs_the_prompt_ids_draftwise_runs():
     assert peer_prompt_ids(LlamaLike(), "hi") == [ord("h"), ord("i")]
 
 
-def test_a_prefill_run_whose_context_holds_no_length_is_refused_up_front(settings):
+def test_a_prefill_run_whose_context_holds_no_length_is_refused_up_front(settings, structured_data):
     with pytest.raises(InvalidParameterError, match="holds none of the prompt lengths"):
         run_suite("prefill", replace(settings, max_model_len=64))
