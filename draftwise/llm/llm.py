@@ -361,8 +361,8 @@ class LLM:
         rendered text."""
         options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
                    "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
-        return {"prompt_token_ids": self.tokenizer.encode_chat(messages, **options),
-                "prompt": self.tokenizer.apply_chat_template(messages, **options)}
+        token_ids, text = self.tokenizer.encode_chat_rendered(messages, **options)
+        return {"prompt_token_ids": token_ids, "prompt": text}
 
     def stream(self, prompt: str | TokensPrompt,
                sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:

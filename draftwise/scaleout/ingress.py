@@ -81,7 +81,7 @@ class Ingress:
         self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
         self.router = Router(len(self.replicas), routing)
         self.metrics = IngressMetrics()
-        self.api_keys = api_keys(api_key)
+        self.api_keys = [key.encode() for key in api_keys(api_key)]  # (encoded once, as tenant_for compares)
         self.max_request_bytes = max_request_bytes
         self.probe_timeout = PROBE_TIMEOUT  # (seconds a replica gets to answer a probe or a /metrics call)
         for index in range(len(self.replicas)):
@@ -211,7 +211,7 @@ class Ingress:
         request.state.tenant for the replica."""
         if (refusal := self._check_host(request)) is not None or not self.api_keys:
             return refusal
-        tenant = tenant_for(request.headers.get("authorization", ""), [key.encode() for key in self.api_keys])
+        tenant = tenant_for(request.headers.get("authorization", ""), self.api_keys)
         if tenant is not None:
             request.state.tenant = tenant
             return None

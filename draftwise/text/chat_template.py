@@ -24,6 +24,7 @@ from draftwise.errors import ChatTemplateError, InvalidParameterError
 
 TEMPLATE_FILE = "chat_template.jinja"  # newer Hugging Face folders keep the template here
 DEFAULT_TEMPLATE_NAME = "default"
+FINAL_MARKER = "\x00draftwise:final-message\x00"  # (stands in for a continued message's text: `_cut_after_final_message`)
 CHAT_ARGUMENTS = ("messages", "tools", "add_generation_prompt")  # what every rendering passes the template
 
 
@@ -76,19 +77,24 @@ class ChatTemplate:
         continue_final_message: the text ends with the final message's text, for the model to go on
         with it (no end of turn after it). chat_template_kwargs: more variables the template reads
         (vLLM's name; e.g. Qwen3's `enable_thinking`). An option the template would ignore is refused."""
-        template = self._compile()
         variables = chat_template_kwargs or {}
         self._check_variables(tools, variables)
+
+        def render(conversation: list[dict]) -> str:
+            return self._render(conversation, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+
+        text = render(messages)
+        return self._cut_after_final_message(text, messages, render) if continue_final_message else text
+
+    def _render(self, messages: list[dict], **variables) -> str:
         try:
-            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                   **self._token_variables, **variables)
+            return self._compile().render(messages=messages, **self._token_variables, **variables)
         except _TemplateRefusal as refusal:
             raise ChatTemplateError(f"the chat template of {self.model_name!r} refused the conversation: "
                                     f"{refusal}") from None
         except Exception as error:  # anything the template trips on is the conversation's or the template's fault
             raise ChatTemplateError(f"the chat template of {self.model_name!r} failed{_template_line(error)}: "
                                     f"{type(error).__name__}: {error}") from None
-        return self._cut_after_final_message(text, messages[-1]) if continue_final_message else text
 
     def _check_variables(self, tools: list[dict] | None, variables: dict) -> None:
         """Tools and variables only where the template reads them: a template that never names one
@@ -103,10 +109,20 @@ class ChatTemplate:
                 raise InvalidParameterError(f"chat_template_kwargs[{name!r}]: the chat template of "
                                             f"{self.model_name!r} reads no variable {name!r}")
 
-    def _cut_after_final_message(self, text: str, message: dict) -> str:
-        """The rendering up to the end of the final message's text (transformers' rule: where its
-        text last appears; its trailing whitespace kept only where the template kept it)."""
-        final = _final_text(message)
+    def _cut_after_final_message(self, text: str, messages: list[dict], render) -> str:
+        """The rendering up to the end of the final message's text, its trailing whitespace kept only
+        where the template kept it. Where the message ends is learnt from a second rendering with a
+        marker in place of its text: what the template writes after the marker is what it wrote after
+        the text (so a short text that also appears in the template's own later text, "im" in
+        `<|im_end|>`, is cut in the right place). A template whose text after the message depends on
+        the message falls back to transformers' rule: where the text last appears."""
+        final = _final_text(messages[-1])
+        marked = render([*messages[:-1], _with_final_text(messages[-1], FINAL_MARKER)])
+        if marked.count(FINAL_MARKER) == 1:
+            after = marked[marked.index(FINAL_MARKER) + len(FINAL_MARKER):]
+            end = len(text) - len(after)
+            if text.endswith(after) and text[:end].rstrip().endswith(final.strip()):
+                return text[:end]
         start = text.rfind(final.strip())
         if start < 0:
             raise InvalidParameterError(f"continue_final_message: the chat template of {self.model_name!r} does "
@@ -150,6 +166,15 @@ def _final_text(message: dict) -> str:
     if not isinstance(content, str) or not content.strip():
         raise InvalidParameterError("continue_final_message: the final message has no text to continue")
     return content
+
+
+def _with_final_text(message: dict, text: str) -> dict:
+    """The message with `text` in place of the text `_final_text` reads."""
+    content = message["content"]
+    if isinstance(content, str):
+        return {**message, "content": text}
+    last = max(i for i, part in enumerate(content) if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return {**message, "content": [*content[:last], {**content[last], "text": text}, *content[last + 1:]]}
 
 
 def _template_line(error: Exception) -> str:

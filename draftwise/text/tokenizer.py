@@ -117,7 +117,15 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, *, continue_final_message: bool = False,
                     chat_template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of the rendered conversation, in which control tokens come only from the template.
+        """Token ids of the rendered conversation (`encode_chat_rendered`'s ids)."""
+        return self.encode_chat_rendered(messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
+                                         chat_template_kwargs=chat_template_kwargs)[0]
+
+    def encode_chat_rendered(self, messages: list[dict], add_generation_prompt: bool = True,
+                             tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                             chat_template_kwargs: dict | None = None) -> tuple[list[int], str]:
+        """Token ids of the rendered conversation, in which control tokens come only from the template,
+        and the rendered text (`apply_chat_template`'s), rendered once for both.
 
         Every string the messages, tools and chat_template_kwargs hold (content, text parts, names,
         tool-call arguments, function descriptions, variables' text) is tokenized
@@ -138,7 +146,7 @@ class Tokenizer:
         client_text = [messages, tools, chat_template_kwargs]  # (the tools' descriptions are client text too)
         rendered = render(client_text)
         pieces = isolate_client_text(client_text, rendered, render, self._find_control_text)
-        return self.encode(rendered) if pieces is None else self._encode_isolated(pieces)
+        return (self.encode(rendered) if pieces is None else self._encode_isolated(pieces)), rendered
 
     def fim_prompt(self, prefix: str, suffix: str) -> list[int] | None:
         """Token ids of a fill-in-the-middle prompt (prefix, suffix, middle: `<|fim_prefix|>` prefix
