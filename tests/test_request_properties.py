@@ -66,3 +66,13 @@ def test_valid_sampling_fields_reach_sampling_params_unchanged(temperature, top_
     assert (params.temperature, params.top_p, params.seed, params.max_tokens, params.stop) == (
         temperature, top_p, seed, max_tokens, stop)
     assert params.top_k == (0 if top_k == -1 else top_k)
+
+
+def test_a_lone_surrogate_is_refused_as_what_it_is():
+    # (the parser says "unexpected end of hex escape" of valid JSON syntax: the refusal says why)
+    for raw in ('{"model": "tiny", "prompt": "\\ud800"}', '{"model": "tiny", "prompt": "a\\udc00b"}'):
+        try:
+            CompletionRequest.model_validate_json(raw)
+        except ValidationError as error:
+            message = describe(error).message
+        assert "not valid JSON" in message and "surrogate pair" in message, message

@@ -14,6 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from draftwise import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from draftwise.errors import InvalidParameterError  # noqa: E402
 from draftwise.server.tools import plan_tools  # noqa: E402
 from draftwise.structured.tool_calls import split_tool_calls  # noqa: E402
 from tests.drafting import DRAFTING_PAYS  # noqa: E402
@@ -264,5 +265,7 @@ def test_a_model_without_fim_tokens_refuses_suffix(tiny_qwen):
         response = httpx.post(live.url + "/v1/completions", timeout=30, json={
             "model": MODEL, "prompt": "def f(", "suffix": ")", "max_tokens": 4})
         assert response.status_code == 400 and "fill-in-the-middle" in response.json()["error"]["message"]
+        with pytest.raises(InvalidParameterError, match="fill-in-the-middle tokens"):  # (the library says so too)
+            live.llm.tokenizer.fim_prompt("def f(", ")")
     finally:
         live.stop()

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from draftwise.engine.outputs import RequestOutput
-from draftwise.errors import DraftwiseError, PromptTooLongError
+from draftwise.errors import DraftwiseError, InvalidParameterError, PromptTooLongError
 from draftwise.server.async_engine import AsyncEngine, EngineDraining, EngineStopped
 from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import SamplingFields
@@ -139,11 +139,12 @@ class RequestHandler:
             if request.chat:
                 ids = tokenizer.encode_chat(request.messages, tools=request.tools)  # text never forges control tokens
             elif request.fim_suffix is not None:
-                ids = tokenizer.fim_prompt(request.text, request.fim_suffix)
-                if ids is None:
+                try:
+                    ids = tokenizer.fim_prompt(request.text, request.fim_suffix)
+                except InvalidParameterError:
                     raise RequestError(400, f"model {self.model_name!r} has no fill-in-the-middle tokens "
                                        "(<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>): suffix is not served",
-                                       "suffix", "unsupported_parameter")
+                                       "suffix", "unsupported_parameter") from None
             elif request.text is not None:
                 ids = tokenizer.encode(request.text)
             else:
@@ -240,6 +241,8 @@ def describe(error: ValidationError) -> RequestError:
     first = error.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
+        if "hex escape" in detail:  # (what the parser says of a lone surrogate, which is valid JSON syntax)
+            detail += " (a \\uD800-\\uDFFF escape must be half of a surrogate pair: a lone one is not text)"
         return RequestError(400, f"the request body is not valid JSON{': ' + detail if detail else ''}")
     location = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
     if first["type"] == "extra_forbidden":

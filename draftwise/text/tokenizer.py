@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from draftwise.text.chat_isolation import Piece, isolate_client_text
 from draftwise.text.chat_template import ChatTemplate, find_chat_template
-from draftwise.errors import ChatTemplateError, ModelFormatError
+from draftwise.errors import ChatTemplateError, InvalidParameterError, ModelFormatError
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # fill-in-the-middle's markers
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
@@ -148,13 +148,14 @@ class Tokenizer:
         pieces = isolate_client_text(client_text, rendered, render, self._find_control_text)
         return (self.encode(rendered) if pieces is None else self._encode_isolated(pieces)), rendered
 
-    def fim_prompt(self, prefix: str, suffix: str) -> list[int] | None:
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
         """Token ids of a fill-in-the-middle prompt (prefix, suffix, middle: `<|fim_prefix|>` prefix
         `<|fim_suffix|>` suffix `<|fim_middle|>`, the Qwen2.5-Coder / StarCoder layout), the client's
-        text tokenized as text; None if the vocabulary has no such tokens."""
+        text tokenized as text. Raises InvalidParameterError where the vocabulary has no such tokens."""
         ids = [self.token_to_id(token) for token in FIM_TOKENS]
         if any(i is None for i in ids):
-            return None
+            raise InvalidParameterError(f"suffix: this model's vocabulary has no fill-in-the-middle tokens "
+                                        f"({', '.join(FIM_TOKENS)})")
         start, hole, middle = ids
         return self._with_bos([start, *self._encode_plain(prefix), hole, *self._encode_plain(suffix), middle])
 

@@ -174,7 +174,7 @@ def _prompt(seq: SequenceState) -> list[int]:
 @dataclass(slots=True)
 class DraftModelOptions:
     model: str = option(DEFAULT_DRAFT, "the draft model: a known name, a GGUF file or a HF folder, with the "
-                        "target's tokenizer", flag="--draft", cost=True)
+                        "target's tokenizer (another's with --cross-tokenizer true)", flag="--draft", cost=True)
     quantization: str = option("auto", "the draft model's weights: auto (int4_all on CPU), int4, int4_all, int8, "
                                "none", flag="--draft-quantization", cost=True)
     draft_vocab_size: int | None = option(32768, "score only the N most frequent tokens in the draft's LM head "
