@@ -57,3 +57,14 @@ DRAFTERS = {
     "suffix": lambda target, draft: dict(method="suffix", num_speculative_tokens=4),
     "layer_skip": lambda target, draft: dict(method="layer_skip", num_layers=1, num_speculative_tokens=3),
 }
+
+
+def held_rows(llm) -> dict[str, int]:
+    """Cache rows still held, by owner (the target's runner, and every drafter's own runner): with no
+    request left, a row held is a leak (it keeps a block table, and blocks, forever)."""
+    runners = {"target": llm.runner}
+    for method, drafter in llm.engine.drafters.items():
+        runner = getattr(drafter.proposer, "runner", None)
+        if runner is not None and runner is not llm.runner:
+            runners[method] = runner
+    return {owner: len(runner.blocks.tables) for owner, runner in runners.items() if runner.blocks.tables}

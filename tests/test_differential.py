@@ -12,6 +12,7 @@ import pytest
 
 from draftwise import LLM, SamplingParams
 from draftwise.runner.model_runner import ModelRunner
+from tests.drafting import held_rows
 from tests.tiny_models import write_tiny_model
 
 EXAMPLES = 10  # request mixes per drafter
@@ -122,6 +123,7 @@ def test_speculation_equals_plain_decoding_on_random_request_mixes(name, looping
         for index, (want, have) in enumerate(zip(expected, got)):
             assert (have.token_ids, have.finish_reason, have.text) == (want.token_ids, want.finish_reason, want.text), \
                 f"{name}: example {example}, request {index}: {prompts[index]!r} with {params[index]}"
+        assert not held_rows(llm), f"{name}: example {example}: rows held after every request finished"
         earlier += [g.text for g in expected if g.text]
         drafted += sum(o.metrics.spec.num_draft_tokens for o in got if o.metrics.spec is not None)
     assert drafted > 0  # (the runs speculated: otherwise they would prove nothing)

@@ -72,7 +72,9 @@ class CrossTokenizerProposer:
         asked = [k + EXTRA_DRAFT_TOKENS if k else 0 for k in num_tokens]
         for seq, extra in zip(seqs, asked):
             ids = self._draft_ids(seq, room=min(self.runner.max_len - extra, len(seq.token_ids)) - 1)
-            row = self._rows.setdefault(seq.request_id, self.runner.allocate())
+            row = self._rows.get(seq.request_id)
+            if row is None:
+                row = self._rows[seq.request_id] = self.runner.allocate()
             held = self._held.get(seq.request_id, [])
             shared = 0
             while shared < min(len(held), len(ids) - 1) and held[shared] == ids[shared]:
