@@ -92,10 +92,8 @@ class RequestHandler:
                                     engine_request.calls_tools, self._logprobs_format(engine_request), echo)
             return StreamingResponse(stream_events(firsts, streams, context, self.metrics),
                                      media_type="text/event-stream")
-        endings = await asyncio.gather(*(self._last_output(request, first, stream)
-                                         for first, stream in zip(firsts, streams)),
-                                       return_exceptions=True)  # (every sample runs to its end or its abort)
-        error = next((ending for ending in endings if isinstance(ending, BaseException)), None)
+        endings = await self._last_outputs(request, firsts, streams)
+        error = next((ending for ending in endings if isinstance(ending, Exception)), None)
         if error is not None:
             if isinstance(error, RequestError) and error.status == CLIENT_CLOSED_REQUEST:
                 self.metrics.observe_aborted("client_disconnected")  # (once for the request)
@@ -192,6 +190,24 @@ class RequestHandler:
             for stream in streams:
                 await stream.aclose()  # (a sample that had begun is aborted)
             raise
+
+    async def _last_outputs(self, request: Request, firsts: list[RequestOutput], streams: list) -> list:
+        """Every sample run to its end, each ending a final output or the exception it raised; once one
+        fails (an exception, or an output that ended in error) the others are aborted at once: the
+        answer is an error whatever they would say, and their rows are wanted elsewhere."""
+        tasks = [asyncio.ensure_future(self._last_output(request, first, stream))
+                 for first, stream in zip(firsts, streams)]
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(task.exception() is not None or task.result().finish_reason == "error" for task in done):
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()  # (a sample cancelled while it runs is aborted: `_last_output` closes its stream)
+            endings = await asyncio.gather(*tasks, return_exceptions=True)
+        return endings
 
     async def _counting_a_disconnect(self, awaitable):
         """Await a non-streamed request's end; a client that went away is counted as such (and not

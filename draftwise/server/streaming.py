@@ -10,6 +10,7 @@ output iterators does that).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from draftwise.server.metrics import ServerMetrics
 from draftwise.server.protocol import error_body
 from draftwise.server.responses import DONE, chunk, object_name, sse, usage
 from draftwise.server.tools import ToolCallStream
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +131,17 @@ async def stream_events(firsts: list[RequestOutput], streams: list[AsyncIterator
         yield sse(error_body(str(error), "server_error", code="server_shutting_down"))
         yield DONE
     finally:
-        await merged.aclose()
+        await merged.aclose()  # (its pumps stopped and waited for: a stream is closed only when none reads it)
         for stream in streams:
-            await stream.aclose()  # a client gone mid-stream aborts its requests here
+            try:
+                await stream.aclose()  # a client gone mid-stream aborts its requests here
+            except Exception:  # (one stream's trouble must not cost the others their abort, or the metrics)
+                logger.exception("closing a sample's stream failed")
         for final in finals:
             if final.finished:
                 metrics.observe_finished(final, context.segment, context.method)
-            elif not ended:
-                metrics.observe_aborted("client_disconnected")
+        if not ended and not all(final.finished for final in finals):
+            metrics.observe_aborted("client_disconnected")  # (once for the request, as a non-streamed one)
 
 
 async def _merged(streams: list[AsyncIterator[RequestOutput]],
@@ -175,3 +181,4 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]],
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # (a stream still in a pump's `anext` cannot be closed)
