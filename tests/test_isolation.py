@@ -1,6 +1,9 @@
 """One request's fault ends that request alone: injected faults in the target's forward pass, the
 drafter and the block manager; every other request finishes with exactly its solo output."""
 
+import threading
+import time
+
 import pytest
 
 from draftwise import LLM, SamplingParams
@@ -142,3 +145,45 @@ def test_generate_returns_the_others_when_one_fails(tiny_qwen, solo_outputs, mon
     assert outputs[POISONED].finish_reason == "error" and outputs[POISONED].token_ids == []
     assert [o.token_ids for i, o in enumerate(outputs) if i != POISONED] == \
         [ids for i, ids in enumerate(solo_outputs) if i != POISONED]
+
+
+def test_a_failed_pass_waits_for_its_masks_before_the_rows_run_again(tiny_qwen, monkeypatch):
+    """The grammar masks compute on their own thread beside the pass; when the pass fails, the rows
+    run again alone (isolation), and their grammars must not be used by both threads at once."""
+    from draftwise.engine import constrained
+    from draftwise import StructuredOutputsParams
+
+    llm = build(tiny_qwen, None)
+    fill, filling, overlaps = constrained.fill_masks, threading.Event(), []
+
+    def slow_fill(*args):
+        filling.set()
+        time.sleep(0.2)
+        try:
+            return fill(*args)
+        finally:
+            filling.clear()
+
+    init = constrained.PendingMasks.__init__
+
+    def noting_init(self, batch, drafts, vocab_size):
+        overlaps.append(filling.is_set())  # (the grammars are about to be synced: nobody else may use them)
+        init(self, batch, drafts, vocab_size)
+
+    forward, failed = llm.runner.forward, []
+
+    def fails_once_with_two_rows(rows, token_ids, num_logits, **kwargs):
+        if len(rows) == 2 and not failed:
+            failed.append(1)
+            raise RuntimeError("injected: the pass failed")
+        return forward(rows, token_ids, num_logits, **kwargs)
+
+    monkeypatch.setattr(constrained, "fill_masks", slow_fill)
+    monkeypatch.setattr(constrained.PendingMasks, "__init__", noting_init)
+    monkeypatch.setattr(llm.runner, "forward", fails_once_with_two_rows)
+    choice = SamplingParams(temperature=0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["alpha beta", "gamma delta"]))
+    outputs = llm.generate(["Pick one:", "Another:"], choice)
+    assert failed and all(o.error is None and o.finish_reason in ("stop", "length") for o in outputs), \
+        [o.error for o in outputs]
+    assert not any(overlaps), "a grammar was synced while the failed pass's masks still used it"

@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -85,6 +85,12 @@ class PendingMasks:
                 batch[b].grammar.sync(batch[b].output_ids)
             work = [(batch[b].grammar, drafts[b].token_ids) for b in self.rows]
             self._future = _MASK_THREAD.submit(fill_masks, work, self.width, vocab_size)
+
+    def settle(self) -> None:
+        """Wait for the masks' work to end, whatever its outcome (a failed step's grammars are then
+        the engine's alone again)."""
+        if self._future is not None:
+            wait([self._future])
 
     def apply(self, target_logits: torch.Tensor) -> torch.Tensor:
         """target_logits [B, K+1, V] with every constrained row's disallowed tokens at -inf (a new

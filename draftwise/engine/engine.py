@@ -288,8 +288,12 @@ class Engine:
                    for b in range(len(batch))] if trees else None
         capture = self._captured_layers(batch)
         masks = self._on_grammar(PendingMasks, batch, drafts, self.runner.model.config.vocab_size)  # beside the pass
-        result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
-                                     parents=parents, capture_layers=capture, prompt=prompt)
+        try:
+            result = self.runner.forward(rows, new_tokens, [1 if skip else n + 1 for n, skip in zip(num_draft, skipped)],
+                                         parents=parents, capture_layers=capture, prompt=prompt)
+        except BaseException:
+            masks.settle()  # (the mask thread still reads the grammars that undoing the step rewinds)
+            raise
         width = max(num_draft)
         raw_logits = pad_rows(result.logits, result.cu_num_logits, width + 1)  # [B, K+1, V]
         target_logits = self._on_grammar(masks.apply, raw_logits)  # (constrained rows masked)
