@@ -119,6 +119,10 @@ async def stream_events(firsts: list[RequestOutput], streams: list[AsyncIterator
                 last_time = now_time
             for body in choices[index].chunks(output):
                 yield sse(body)
+            # The loop turns once an output: outputs already queued are taken without a pause, and
+            # a send to a client that left returns at once, so without it nothing else (the task that
+            # hears the disconnect, /health) would run until the request ended.
+            await asyncio.sleep(0)
         if context.include_usage:
             yield sse({"id": context.request_id, "object": object_name(context.chat, True),
                        "created": context.created, "model": context.model, "choices": [],
