@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from draftwise.sampling.params import SamplingParams
 from draftwise.server.handler import describe
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest
-from draftwise.server.requests import RequestError, Served, ServerLimits, chat_request, completion_request
+from draftwise.server.requests import (RequestError, Served, ServerLimits, chat_request, completion_request,
+                                       completion_requests)
 
 MARKER = "Zq7-marker"  # a value no error message may repeat
 SERVED = Served(frozenset({"ngram"}), "ngram")
@@ -40,15 +41,16 @@ def process(model, mapper, body: dict):
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bodies)
 def test_any_completion_body_is_served_or_refused_cleanly(body):
-    for model, mapper in ((CompletionRequest, completion_request), (ChatCompletionRequest, chat_request)):
+    for model, mapper in ((CompletionRequest, completion_requests), (ChatCompletionRequest, chat_request)):
         try:
-            request = process(model, mapper, body)
+            requests = process(model, mapper, body)
         except RequestError as error:
             assert 400 <= error.status < 500
             assert MARKER not in error.message
             assert error.message
         else:
-            assert isinstance(request.params, SamplingParams)
+            for request in requests if isinstance(requests, list) else [requests]:  # (a batch: one per prompt)
+                assert isinstance(request.params, SamplingParams)
 
 
 @settings(max_examples=200, deadline=None)

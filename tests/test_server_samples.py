@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from draftwise import LLM  # noqa: E402
+from draftwise import LLM, SamplingParams  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
 
 MODEL = "tiny"
@@ -95,3 +95,64 @@ def test_a_client_that_leaves_a_stream_of_samples_aborts_them_and_counts_once(se
     while time.time() < deadline and metric(server, ABORTED) < before + 3:
         time.sleep(0.05)
     assert metric(server, ABORTED) == before + 3
+
+
+# --- a batch of prompts (completions' `prompt` as a list): a request per prompt, choices in order ---
+BATCH = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    print("]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen):
+    return LLM(str(tiny_qwen), max_model_len=256, progress=False)
+
+
+def test_a_batch_of_prompts_answers_each_in_order_with_its_samples(server, llm, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    answer = client.completions.create(model=MODEL, prompt=BATCH, n=2, temperature=0, max_tokens=12)
+    outputs = reference.generate(BATCH, SamplingParams(temperature=0, max_tokens=12))
+    expected = [o.text for o in outputs]
+    assert [c.index for c in answer.choices] == list(range(6))
+    assert [c.text for c in answer.choices] == [text for text in expected for _ in range(2)]
+    prompt_tokens = sum(len(reference.tokenizer.encode(p)) for p in BATCH)
+    assert answer.usage.prompt_tokens == prompt_tokens
+    assert answer.usage.completion_tokens == 2 * sum(len(o.token_ids) for o in outputs)
+    ids = [reference.tokenizer.encode(p) for p in BATCH[:2]]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=12, echo=True)
+    assert [c.text for c in by_ids.choices] == [BATCH[i] + expected[i] for i in range(2)]
+    assert settled(llm)["kv_blocks_in_use"] == 0
+
+
+def test_a_streamed_batch_names_each_choice_and_echoes_its_own_prompt(server, llm, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in client.completions.create(model=MODEL, prompt=BATCH, temperature=0, max_tokens=10, echo=True,
+                                           stream=True, stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    expected = [o.text for o in reference.generate(BATCH, SamplingParams(temperature=0, max_tokens=10))]
+    assert texts == {i: BATCH[i] + expected[i] for i in range(3)}
+    assert usage.prompt_tokens == sum(len(reference.tokenizer.encode(p)) for p in BATCH)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    (["ok", [1, 2]], "prompt"),  # (a mix of text and token ids is not one of the schema's forms)
+    ([[1, 2], []], "prompt[1] is empty"),
+    (["x"] * 129, "at most 128"),
+])
+def test_a_bad_batch_is_refused_by_name(server, prompt, message):
+    response = httpx.post(server.url + "/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    assert response.json()["error"]["param"] == "prompt"
+
+
+def test_a_batch_with_a_prompt_too_long_is_refused_and_runs_nothing(server, llm):
+    response = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": ["def f(x):", "word " * 400], "max_tokens": 4})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    stats = settled(llm)
+    assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0

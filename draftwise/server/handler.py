@@ -44,23 +44,27 @@ class RequestHandler:
             raise RequestError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                                "model", "model_not_found")
 
-    async def run(self, request: Request, body: SamplingFields, engine_request: EngineRequest):
-        engine_request.options["tenant"] = getattr(request.state, "tenant", None)  # (ApiKeyAuth's: the key's tenant)
-        prompt = await asyncio.to_thread(self._tokenize, engine_request)  # the tokenizer releases the GIL
+    async def run(self, request: Request, body: SamplingFields, engine_requests: list[EngineRequest]):
+        """Answer a request: one prompt (`engine_requests` of one), or a completions batch (a request
+        per prompt, answered together: prompt i's samples are choices i n ... i n + n - 1)."""
+        for engine_request in engine_requests:
+            engine_request.options["tenant"] = getattr(request.state, "tenant", None)  # (ApiKeyAuth's: the key's tenant)
+        # (the tokenizer releases the GIL)
+        prompts = await asyncio.to_thread(lambda: [self._tokenize(one) for one in engine_requests])
         if body.cache_salt is not None:
-            prompt["cache_salt"] = body.cache_salt
-        if sample_count(engine_request.params) > 1:
-            return await self._run_samples(request, body, engine_request, prompt)
+            for prompt in prompts:
+                prompt["cache_salt"] = body.cache_salt
+        engine_request, prompt = engine_requests[0], prompts[0]
+        if len(engine_requests) > 1 or sample_count(engine_request.params) > 1:
+            return await self._run_samples(request, body, engine_requests, prompts)
         outputs = self.engine.generate(prompt, engine_request.params, **engine_request.options)
         first = await self._first_output(outputs, engine_request.prompt_param)
         prefix = "chatcmpl" if engine_request.chat else "cmpl"
         logprobs = self._logprobs_format(engine_request)
-        echo = None
-        if engine_request.echo:  # (completions: the answer's text starts with the prompt's)
-            echo = prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])
+        echo = self._echo(engine_request, prompt)
         context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
                                 self.metrics.segment(body.segment), engine_request.method, engine_request.calls_tools,
-                                logprobs, echo)
+                                logprobs, (echo,))
         if body.stream:
             return StreamingResponse(stream_events([first], [outputs], context, self.metrics),
                                      media_type="text/event-stream")
@@ -69,27 +73,31 @@ class RequestHandler:
             raise RequestError(FAILED_STATUS.get(final.error_reason, 500), final.error or "the request failed",
                                kind="server_error", code=final.error_reason or "engine_error")
         self.metrics.observe_finished(final, context.segment, context.method)
-        return JSONResponse(response_body(final, context.request_id, context.created, self.model_name,
-                                          engine_request.chat, engine_request.calls_tools, logprobs, echo))
+        return JSONResponse(response_body([final], context.request_id, context.created, self.model_name,
+                                          engine_request.chat, engine_request.calls_tools, logprobs, [echo]))
 
-    async def _run_samples(self, request: Request, body: SamplingFields, engine_request: EngineRequest,
-                           prompt: dict) -> JSONResponse:
-        """n > 1 or best_of: each sample a request of its own (sharing the prompt's KV blocks through the
-        prefix cache), gathered into one answer, or streamed side by side (n choices, each chunk
-        naming its index; best_of cannot stream: the best are known only at the end)."""
-        params = engine_request.params
-        if body.stream and sample_count(params) > params.n:
+    async def _run_samples(self, request: Request, body: SamplingFields, engine_requests: list[EngineRequest],
+                           prompts: list[dict]) -> JSONResponse:
+        """n > 1, best_of or a batch of prompts: each sample of each prompt a request of its own (a
+        prompt's samples sharing its KV blocks through the prefix cache), gathered into one answer, or
+        streamed side by side (each chunk naming its choice's index; best_of cannot stream: the best
+        are known only at the end)."""
+        first_request = engine_requests[0]
+        params = first_request.params
+        count = sample_count(params)
+        if body.stream and count > params.n:
             raise RequestError(400, "best_of above n cannot stream (the best samples are known only when all "
                                "have finished)", "best_of", "unsupported_parameter")
-        streams = [self.engine.generate(prompt, sample, **engine_request.options) for sample in per_sample(params)]
-        firsts = await self._first_outputs(request, streams, engine_request.prompt_param)
-        echo = (prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])) \
-            if engine_request.echo else None
-        prefix = "chatcmpl" if engine_request.chat else "cmpl"
+        streams = [self.engine.generate(prompt, sample, **engine_request.options)
+                   for engine_request, prompt in zip(engine_requests, prompts) for sample in per_sample(params)]
+        firsts = await self._first_outputs(request, streams, first_request.prompt_param)
+        echoes = [self._echo(engine_request, prompt) for engine_request, prompt in zip(engine_requests, prompts)]
+        prefix = "chatcmpl" if first_request.chat else "cmpl"
         if body.stream:
-            context = StreamContext(new_id(prefix), now(), self.model_name, engine_request.chat, body.include_usage,
-                                    self.metrics.segment(body.segment), engine_request.method,
-                                    engine_request.calls_tools, self._logprobs_format(engine_request), echo)
+            context = StreamContext(new_id(prefix), now(), self.model_name, first_request.chat, body.include_usage,
+                                    self.metrics.segment(body.segment), first_request.method,
+                                    first_request.calls_tools, self._logprobs_format(first_request), tuple(echoes),
+                                    count)
             return StreamingResponse(stream_events(firsts, streams, context, self.metrics),
                                      media_type="text/event-stream")
         endings = await self._last_outputs(request, firsts, streams)
@@ -105,11 +113,17 @@ class RequestHandler:
                                kind="server_error", code=failed.error_reason or "engine_error")
         segment = self.metrics.segment(body.segment)
         for final in finals:
-            self.metrics.observe_finished(final, segment, engine_request.method)
-        output = gathered(list(finals), params)
-        return JSONResponse(response_body(output, new_id(prefix), now(), self.model_name, engine_request.chat,
-                                          engine_request.calls_tools, self._logprobs_format(engine_request), echo,
+            self.metrics.observe_finished(final, segment, first_request.method)
+        outputs = [gathered(list(finals[i:i + count]), params) for i in range(0, len(finals), count)]
+        return JSONResponse(response_body(outputs, new_id(prefix), now(), self.model_name, first_request.chat,
+                                          first_request.calls_tools, self._logprobs_format(first_request), echoes,
                                           samples=list(finals)))
+
+    def _echo(self, engine_request: EngineRequest, prompt: dict) -> str | None:
+        """A completion's prompt text, where its answer starts with it (`echo`); else None."""
+        if not engine_request.echo:
+            return None
+        return prompt["prompt"] or self.engine.llm.tokenizer.decode(prompt["prompt_token_ids"])
 
     def _logprobs_format(self, request: EngineRequest) -> LogprobsFormat | None:
         params = request.params

@@ -60,6 +60,9 @@ class RequestError(Exception):
 
 
 
+MAX_BATCH_PROMPTS = 128  # prompts a completions request may batch
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body gets 413 before it is read
@@ -99,27 +102,45 @@ class EngineRequest:
         return "messages" if self.chat else "prompt"
 
 
-def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
+def completion_requests(body: CompletionRequest, limits: ServerLimits, served: Served) -> list[EngineRequest]:
+    """One request for the engine per prompt of the body: `prompt` may be a batch (a list of strings,
+    or of token-id lists), each prompt answered as a request of its own with the body's options
+    (OpenAI's and vLLM's choices: prompt i's samples are choices i n ... i n + n - 1)."""
+    return [completion_request(body, limits, served, prompt) for prompt in _prompts(body.prompt)]
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """The prompts of a completions body: one string, one token-id list, or a batch of either."""
+    if prompt is None:
+        raise RequestError(400, "prompt is required", "prompt")
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        batch = [prompt]
+    else:
+        batch = list(prompt)
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise RequestError(400, f"prompt: a batch of {len(batch)} prompts; at most {MAX_BATCH_PROMPTS} a request",
+                           "prompt")
+    for index, one in enumerate(batch):
+        if isinstance(one, list) and not one:
+            raise RequestError(400, "prompt is empty" if len(batch) == 1 else f"prompt[{index}] is empty", "prompt")
+    return batch
+
+
+def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served,
+                       prompt: str | list[int] | None = None) -> EngineRequest:
+    """The request for one prompt of the body (`prompt`; None: the body's own, which must be one)."""
+    if prompt is None:
+        prompts = _prompts(body.prompt)
+        if len(prompts) != 1:
+            raise RequestError(400, "a batch of prompts: one request each (`completion_requests`)", "prompt")
+        prompt = prompts[0]
     _refuse_unserved(body, {**_COMMON, **_COMPLETIONS})
     structure, field = _structure(body)
     request = EngineRequest(_sampling_params(body, body.max_tokens, limits, structure), _options(body, served),
                             constraint_param=field)
-    prompt = body.prompt
-    if prompt is None:
-        raise RequestError(400, "prompt is required", "prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        if len(prompt) != 1:
-            raise RequestError(400, "send one prompt per request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-        if not prompt:
-            raise RequestError(400, "prompt is empty", "prompt")
+    if isinstance(prompt, list):
         request.token_ids = prompt
     else:
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise RequestError(400, "send one prompt per request (a string, or a list of one string)", "prompt")
-            prompt = prompt[0]
         request.text = prompt
         request.num_prompt_chars = len(prompt)
     if body.suffix is not None:

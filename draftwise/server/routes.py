@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 
 from draftwise.server.handler import RequestHandler, parse_body
 from draftwise.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from draftwise.server.requests import chat_request, completion_request
+from draftwise.server.requests import chat_request, completion_requests
 from draftwise.server.responses import now
 from draftwise.structured.tool_calls import OPEN
 
@@ -43,7 +43,7 @@ async def completions(request: Request):
     handler = handler_of(request)
     body = await parse_body(request, CompletionRequest)
     handler.check_model(body.model)
-    return await handler.run(request, body, completion_request(body, handler.limits, handler.served))
+    return await handler.run(request, body, completion_requests(body, handler.limits, handler.served))
 
 
 @router.post("/v1/chat/completions")
@@ -53,5 +53,5 @@ async def chat_completions(request: Request):
     handler.check_model(body.model)  # before any template work
     tokenizer = handler.engine.llm.tokenizer
     tag = tokenizer.token_to_id(OPEN)
-    return await handler.run(request, body, chat_request(body, handler.limits, handler.served, tokenizer.chat_template,
-                                                         tag is not None and tag in tokenizer.special_token_ids))
+    return await handler.run(request, body, [chat_request(body, handler.limits, handler.served, tokenizer.chat_template,
+                                                          tag is not None and tag in tokenizer.special_token_ids)])

@@ -37,7 +37,8 @@ class StreamContext:
     method: str | None
     calls_tools: bool = False  # the answer may call tools: calls stream as tool_calls deltas
     logprobs: LogprobsFormat | None = None  # the request asked for logprobs: each chunk carries its tokens'
-    echo: str | None = None  # a completion's prompt text, streamed first
+    echoes: tuple[str | None, ...] = (None,)  # per prompt, a completion's prompt text, streamed first
+    samples_per_prompt: int = 1  # (a batch's choices: prompt i's are i n ... i n + n - 1)
 
 
 class ChoiceStream:
@@ -45,20 +46,21 @@ class ChoiceStream:
 
     def __init__(self, index: int, context: StreamContext) -> None:
         self.index, self.context = index, context
+        self.echo = context.echoes[index // context.samples_per_prompt]  # (its prompt's)
         self.calls = ToolCallStream() if context.chat and context.calls_tools else None
         self.listed = 0  # tokens whose logprobs were sent
-        self.text_offset = len(context.echo or "")  # characters of the tokens listed (completions' text_offset)
+        self.text_offset = len(self.echo or "")  # characters of the tokens listed (completions' text_offset)
 
     def opening(self, first: RequestOutput) -> list[dict]:
         """The chunk before any token: chat's role; a completion's echoed prompt (and its logprobs)."""
         context = self.context
         if context.chat:
             return [self._chunk({"role": "assistant", "content": ""})]
-        if context.echo:
+        if self.echo:
             listed = None
             if context.logprobs is not None and first.prompt_logprobs is not None:
                 listed = context.logprobs.body(first.prompt_logprobs, first.prompt_token_ids)
-            return [self._chunk(context.echo, logprobs=listed)]
+            return [self._chunk(self.echo, logprobs=listed)]
         return []
 
     def chunks(self, output: RequestOutput) -> list[dict]:
@@ -126,7 +128,7 @@ async def stream_events(firsts: list[RequestOutput], streams: list[AsyncIterator
         if context.include_usage:
             yield sse({"id": context.request_id, "object": object_name(context.chat, True),
                        "created": context.created, "model": context.model, "choices": [],
-                       "usage": usage(finals[0], finals if len(finals) > 1 else None)})
+                       "usage": usage(finals[::context.samples_per_prompt], finals)})
         ended = True
         yield DONE
     except EngineStopped as error:
