@@ -130,9 +130,10 @@ class Sequence:
     def take_text_delta(self) -> str:
         """Text not yet handed out. While running, text that could be the start of a stop string
         is held back, so a stream never shows what the final text will not contain."""
+        finished = self.finished  # (read first: text read after it is never older than it)
         text = self.text
         end = len(text)
-        if not self.finished:
+        if not finished:
             for stop in self.params.stop:
                 for n in range(min(len(stop) - 1, len(text)), 0, -1):
                     if text.endswith(stop[:n]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -147,6 +148,8 @@ class LLM:
         # the step API may be called from several threads, each call's requests advancing in the
         # steps any of them runs.
         self._lock = threading.RLock()
+        self._in_step = False  # (an engine step is running: `_abort_soon`)
+        self._pending_aborts: deque[Sequence] = deque()  # requests to abort once the running step ends
         self._install(config)
         release_freed_memory()  # what loading read and let go
         self._random = RandomStream(seed, self.device) if seed is not None else None
@@ -314,6 +317,7 @@ class LLM:
         sequences = [seq for group in groups for seq in group]
         with self._lock:
             for seq in sequences:
+                seq.method = self.engine.default_method  # (this engine's: set_speculative may have swapped it)
                 self.engine.check(seq)
             for seq in sequences:
                 self.engine.add(seq)
@@ -370,6 +374,7 @@ class LLM:
         last delta has finish_reason "error" and the output's `error` says why)."""
         seq = self._make_sequence(prompt, self._params(sampling_params, one_sample=True))
         with self._lock:
+            seq.method = self.engine.default_method  # (this engine's: set_speculative may have swapped it)
             self.engine.check(seq)
             self.engine.add(seq)
         try:
@@ -377,19 +382,50 @@ class LLM:
             while not done:
                 if not seq.finished:  # (another call's steps may have run it to its end)
                     self._step()
-                done = seq.finished
-                delta = seq.take_text_delta()
+                with self._lock:  # (another thread's step must not commit between these reads)
+                    done = seq.finished
+                    delta = seq.take_text_delta()
+                    update = StreamDelta(delta, list(seq.output_ids), seq.finish_reason,
+                                         seq.output() if done else None)
                 if delta or done:
-                    yield StreamDelta(delta, list(seq.output_ids), seq.finish_reason, seq.output() if done else None)
+                    yield update
         finally:
             if not seq.finished:
-                with self._lock:
-                    self.engine.abort(seq)
+                self._abort_soon(seq)
             self.spec_metrics.merge(seq.metrics.spec)
 
     def _step(self) -> list[Sequence]:
         with self._lock, self._drawing():
+            return self._engine_step()
+
+    def _engine_step(self) -> list[Sequence]:
+        """One engine step (the lock held); then the aborts that came while it ran."""
+        self._in_step = True
+        try:
             return self.engine.step()
+        finally:
+            self._in_step = False
+            self._take_pending_aborts()
+
+    def _take_pending_aborts(self) -> None:
+        while self._pending_aborts:
+            seq = self._pending_aborts.popleft()
+            if not seq.finished:  # (it may have ended in the step it waited for)
+                self.engine.abort(seq)
+
+    def _abort_soon(self, seq: Sequence) -> None:
+        """Abort a request now, or right after the step that is running. (A stream abandoned
+        mid-request is closed by its finalizer, which the garbage collector may run inside a step,
+        in the stepping thread, which holds the re-entrant lock: aborting there would free a row
+        of the running batch.)"""
+        if self._in_step:
+            self._pending_aborts.append(seq)
+            if self._in_step:  # (still stepping: that step takes it; else take it here)
+                return
+        with self._lock:
+            self._take_pending_aborts()
+            if not seq.finished:
+                self.engine.abort(seq)
 
     @contextmanager
     def _drawing(self):
@@ -430,7 +466,7 @@ class LLM:
 
     def _step_outputs(self) -> list[RequestOutput]:
         with self._drawing():
-            stepped = {seq.request_id for seq in self.engine.step()}
+            stepped = {seq.request_id for seq in self._engine_step()}
         outputs = []
         for request_id, seq in list(self._live.items()):
             if request_id in stepped or seq.finished:  # (one may have finished during a generate call)
