@@ -48,6 +48,8 @@ def test_stop_token_ends_exactly_there(tiny_llm):
     out = tiny_llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12,
                                                             stop_token_ids=[full[stop_at]]))[0]
     assert out.token_ids == full[:stop_at + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == out.outputs[0].stop_reason == full[stop_at]  # (vLLM's: the token id)
+    assert tiny_llm.generate("def add(a, b):", GREEDY)[0].outputs[0].stop_reason is None  # (the length limit)
 
 
 def test_eos_ends_unless_ignored(tiny_llm, monkeypatch):
@@ -56,6 +58,7 @@ def test_eos_ends_unless_ignored(tiny_llm, monkeypatch):
     monkeypatch.setattr(tiny_llm.tokenizer, "eos_token_ids", frozenset({eos}))
     out = tiny_llm.generate("def add(a, b):", GREEDY)[0]
     assert out.token_ids == full[:full.index(eos) + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason is None  # (EOS is no stop reason, as in vLLM)
     ignoring = tiny_llm.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert ignoring[0].token_ids == full
 
@@ -72,6 +75,7 @@ def test_stop_string_cuts_text_and_stream_never_shows_it(tiny_llm):
     out = tiny_llm.generate("The quick brown fox", params)[0]
     assert out.finish_reason == "stop" and stop not in out.text
     assert out.text == full.text[:full.text.index(stop)]
+    assert out.outputs[0].stop_reason == stop and out.outputs[0].finished()
     streamed = "".join(delta.text for delta in tiny_llm.stream("The quick brown fox", params))
     assert streamed == out.text
     kept = tiny_llm.generate("The quick brown fox", SamplingParams(

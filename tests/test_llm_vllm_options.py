@@ -190,3 +190,43 @@ def test_top_k_past_the_vocabulary_means_no_cut(plain):
 def test_a_top_k_past_64_bits_is_refused():
     with pytest.raises(InvalidParameterError, match="top_k"):
         SamplingParams(top_k=2 ** 63)
+
+
+# --- what a vLLM script writes: speculative_config, use_tqdm, get_tokenizer, TokensPrompt ---------
+def test_vllms_speculative_config_is_read_in_vllms_form(tiny_qwen, plain):
+    from draftwise.speculative.config import from_vllm
+
+    assert from_vllm({"model": "m", "num_speculative_tokens": 3}) == {"model": "m", "num_speculative_tokens": 3,
+                                                                      "method": "draft"}
+    assert from_vllm({"method": "draft_model", "model": "m"})["method"] == "draft"
+    assert from_vllm({"method": "eagle3", "model": "h"}) == {"method": "eagle3", "head": "h"}
+    assert from_vllm({"method": "ngram", "prompt_lookup_max": 4}) == {"method": "ngram", "prompt_lookup_max": 4}
+    llm = build(tiny_qwen, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    assert llm.speculative.method == "ngram" and llm.speculative.num_speculative_tokens == 3
+    assert llm.speculative.options.prompt_lookup_min == 2
+    assert llm.generate(PROMPTS, GREEDY)[0].token_ids == plain.generate(PROMPTS, GREEDY)[0].token_ids
+    drafted = build(tiny_qwen, speculative_config={"model": str(tiny_qwen), "num_speculative_tokens": 2})
+    assert drafted.speculative.method == "draft"
+    with pytest.raises(InvalidParameterError, match="not both"):
+        build(tiny_qwen, speculative={"method": "ngram"}, speculative_config={"method": "ngram"})
+    with pytest.raises(InvalidParameterError, match="disable_by_batch_size"):  # (refused by name, not ignored)
+        build(tiny_qwen, speculative_config={"method": "ngram", "disable_by_batch_size": 4})
+
+
+def test_use_tqdm_shows_a_bar_or_none(plain, capsys):
+    plain.generate(PROMPTS, GREEDY, use_tqdm=True)
+    assert "requests" in capsys.readouterr().err
+    plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    plain.chat(HI, GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(InvalidParameterError, match="use_tqdm"):
+        plain.generate(PROMPTS, GREEDY, use_tqdm="no")
+
+
+def test_get_tokenizer_and_tokens_prompt_as_vllm_names_them(plain):
+    from draftwise import TokensPrompt
+
+    assert plain.get_tokenizer() is plain.tokenizer
+    prompt = TokensPrompt(prompt_token_ids=plain.get_tokenizer().encode(PROMPTS[0]))
+    assert plain.generate(prompt, GREEDY)[0].token_ids == plain.generate(PROMPTS[0], GREEDY)[0].token_ids

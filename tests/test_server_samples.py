@@ -1,6 +1,7 @@
 """n > 1 through the server when a sample fails or the client leaves: the other samples are aborted at
 once, a stream ends cleanly (its error event, then [DONE]), the request counts once, nothing is held."""
 
+import json
 import time
 
 import httpx
@@ -156,3 +157,19 @@ def test_a_batch_with_a_prompt_too_long_is_refused_and_runs_nothing(server, llm)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
     stats = settled(llm)
     assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
+
+
+def test_choices_carry_vllms_stop_reason_streamed_or_not(server, reference):
+    full = reference.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_at = next(i for i, t in enumerate(full.token_ids) if t not in full.token_ids[:i] and i >= 3)
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [full.token_ids[stop_at]]}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == full.token_ids[stop_at]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["stop_reason"] == full.token_ids[stop_at]
+    plain = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}).json()
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["choices"][0]["stop_reason"] is None

@@ -67,6 +67,11 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "error", or None while running
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None  # the sum of its tokens' logprobs (best_of ranks by it)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
+
+    def finished(self) -> bool:
+        """vLLM's: whether it has ended."""
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -85,6 +90,7 @@ class RequestOutput:
     logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=N): one dict per generated token
     completions: list[CompletionOutput] | None = None  # with n > 1: every sample (this output is the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams(prompt_logprobs=N)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
 
     @property
     def finished(self) -> bool:
@@ -96,7 +102,7 @@ class RequestOutput:
         if self.completions is not None:
             return self.completions
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs,
-                                 cumulative_logprob(self.token_ids, self.logprobs))]
+                                 cumulative_logprob(self.token_ids, self.logprobs), self.stop_reason)]
 
 
 def cumulative_logprob(token_ids: list[int], logprobs: SampleLogprobs | None) -> float | None:

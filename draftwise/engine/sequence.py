@@ -37,6 +37,7 @@ class Sequence:
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
         self._detokenizer = IncrementalDetokenizer.after(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._text_end: int | None = None  # where a stop string cut the text
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self._streamed = 0  # characters of text already handed out as deltas
         self.metrics = RequestMetrics(len(prompt_token_ids), 0, time.perf_counter(), None, None, SpecMetrics())
 
@@ -78,6 +79,8 @@ class Sequence:
                 if self.params.include_stop_str_in_output:  # (vLLM's: the ending token's text too; a
                     self._detokenizer.add([token])  # special token's as skip_special_tokens says)
                 self.finish_reason = "stop"
+                if token not in self._eos_token_ids:  # (EOS is no stop reason: vLLM checks it first)
+                    self.stop_reason = token
             else:
                 delta = self._detokenizer.add([token])
                 # (stop strings count from min_tokens on, as vLLM's: before, neither they nor EOS end a request)
@@ -120,6 +123,7 @@ class Sequence:
             index = text.find(stop, start)
             if index != -1:
                 self._text_end = index + (len(stop) if self.params.include_stop_str_in_output else 0)
+                self.stop_reason = stop
                 return True
         return False
 
@@ -148,7 +152,7 @@ class Sequence:
                              list(self.output_ids), self.finish_reason, self.metrics, error=self.error,
                              error_reason=self.error_reason,
                              logprobs=None if self.logprobs is None else list(self.logprobs),
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs, stop_reason=self.stop_reason)
 
 
 def rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:

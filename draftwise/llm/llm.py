@@ -10,6 +10,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from draftwise.cache.block_manager import prefix_salt
 from draftwise.engine.engine import Engine
@@ -33,7 +34,7 @@ from draftwise.loading.resolve import resolve_model
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
 from draftwise.sampling.params import SamplingParams, check_seed
 from draftwise.sampling.processors import bad_word_ids
-from draftwise.speculative.config import SpeculativeConfig
+from draftwise.speculative.config import SpeculativeConfig, from_vllm
 from draftwise.speculative.control.cost_model import CostModel
 from draftwise.speculative.drafter import build_drafter, measure_costs
 from draftwise.speculative.metrics import SpecMetrics
@@ -65,6 +66,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         speculative: SpeculativeConfig | dict | None = None,
+        speculative_config: dict | None = None,
         quantization: str = "auto",
         load_format: str = "auto",
         enforce_eager: bool = False,
@@ -89,8 +91,13 @@ class LLM:
         seed (vLLM's name): requests without a seed of their own draw from a random stream seeded with
         it (`RandomStream`): the same calls on LLMs built with the same seed give the same tokens. (vLLM
         seeds its worker's generators; here the stream is the LLM's own, whatever else the process
-        draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before."""
+        draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before.
+        speculative_config: vLLM's name and form of `speculative` (`speculative.config.from_vllm`)."""
         check_seed(seed)
+        if speculative_config is not None:
+            if speculative is not None:
+                raise InvalidParameterError("pass speculative or speculative_config (vLLM's name), not both")
+            speculative = from_vllm(speculative_config)
         for name, value in (("max_model_len", DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len),
                             ("max_num_seqs", max_num_seqs), ("block_size", block_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -294,13 +301,16 @@ class LLM:
 
     def generate(self, prompts: str | TokensPrompt | list[str | TokensPrompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 segment: str | None = None) -> list[RequestOutput]:
+                 segment: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt (text, or {"prompt_token_ids": [...]}) to completion, batched; outputs
         come back in prompt order. sampling_params: one for every prompt, or a list of one per
         prompt (vLLM's forms). A request that fails ends alone with finish_reason "error" and
         its `error`; the others finish as they would have. segment: a traffic label (the adaptive
         controller keeps statistics per segment). With n > 1 (or best_of), every prompt's samples run
-        as requests of their own and its output gathers them (`outputs`: vLLM's shape)."""
+        as requests of their own and its output gathers them (`outputs`: vLLM's shape). use_tqdm
+        (vLLM's name; off by default here): a progress bar of the finished requests on stderr."""
+        if not isinstance(use_tqdm, bool):
+            raise InvalidParameterError(f"use_tqdm must be true or false, got {use_tqdm!r}")
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise InvalidParameterError(f"prompts must be a string, a {{'prompt_token_ids': [...]}} dict or a list of "
                                         f"them, got {type(prompts).__name__}")
@@ -321,10 +331,13 @@ class LLM:
                 self.engine.check(seq)
             for seq in sequences:
                 self.engine.add(seq)
+        bar = tqdm(total=len(sequences), desc="requests", unit="req", disable=not use_tqdm)
         try:
             while any(not seq.finished for seq in sequences):
                 self._step()
+                bar.update(sum(seq.finished for seq in sequences) - bar.n)
         finally:
+            bar.close()
             with self._lock:
                 for seq in sequences:
                     if not seq.finished:
@@ -335,7 +348,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         Message text is tokenized as text: control tokens come only from the template. vLLM's options:
         add_generation_prompt opens the assistant's turn; continue_final_message (with
@@ -357,7 +371,11 @@ class LLM:
         prompts = [self.chat_prompt(conversation, add_generation_prompt, tools,
                                     continue_final_message=continue_final_message,
                                     chat_template_kwargs=chat_template_kwargs) for conversation in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's name for `tokenizer`."""
+        return self.tokenizer
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                     *, continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> TokensPrompt:

@@ -35,7 +35,7 @@ def gathered(outputs: list[RequestOutput], params: SamplingParams) -> RequestOut
         scored.sort(key=lambda item: -(item[1] if item[1] is not None else float("-inf")))
     chosen = scored[:params.n]
     completions = [CompletionOutput(i, o.text, o.token_ids, o.finish_reason,
-                                    o.logprobs if params.logprobs is not None else None, score)
+                                    o.logprobs if params.logprobs is not None else None, score, o.stop_reason)
                    for i, (o, score) in enumerate(chosen)]
     first = chosen[0][0]
     return replace(first, logprobs=completions[0].logprobs, completions=completions)

@@ -54,7 +54,8 @@ def response_body(outputs: list[RequestOutput], request_id: str, created: int, m
             index = first_index + completion.index
             if not chat:
                 choice = {"index": index, "text": (echo or "") + completion.text,
-                          "finish_reason": completion.finish_reason, "logprobs": listed}
+                          "finish_reason": completion.finish_reason, "logprobs": listed,
+                          "stop_reason": completion.stop_reason}
                 if output.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_logprobs)
                 choices.append(choice)
@@ -62,7 +63,8 @@ def response_body(outputs: list[RequestOutput], request_id: str, created: int, m
             message, called = answer_message(completion.text) if calls_tools else ({"role": "assistant",
                                                                                      "content": completion.text}, False)
             finish_reason = "tool_calls" if called and completion.finish_reason == "stop" else completion.finish_reason
-            choices.append({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": listed})
+            choices.append({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": listed,
+                            "stop_reason": completion.stop_reason})
     body = {"id": request_id, "object": object_name(chat, False), "created": created, "model": model,
             "choices": choices, "usage": usage(outputs, samples)}
     if chat and outputs[0].prompt_logprobs is not None:  # (vLLM's chat answer carries them beside its choices)

@@ -84,7 +84,9 @@ class ChoiceStream:
             reason = output.finish_reason
             if self.calls is not None and self.calls.called and reason == "stop":
                 reason = "tool_calls"
-            out.append(self._chunk({} if chat else "", reason))
+            last = self._chunk({} if chat else "", reason)
+            last["choices"][0]["stop_reason"] = output.stop_reason  # (vLLM's: the stop string or token id)
+            out.append(last)
         return out
 
     def _chunk(self, content, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:

@@ -14,6 +14,24 @@ from draftwise.errors import InvalidParameterError
 from draftwise.speculative.registry import DrafterSpec, drafter_spec
 
 MAX_SPECULATIVE_TOKENS = 64
+HEAD_METHODS = ("eagle", "eagle3", "medusa")  # (vLLM names their head `model`; here it is `head`)
+
+
+def from_vllm(value: dict) -> dict:
+    """vLLM's `speculative_config` dict as this package's `speculative` dict: a `model` without a
+    method (or vLLM's method "draft_model") is the draft model, an EAGLE / EAGLE-3 / Medusa `model`
+    is the head; every other field keeps its name (one this package does not know is refused by name)."""
+    if not isinstance(value, dict):
+        raise InvalidParameterError("speculative_config must be a dict (vLLM's form)")
+    config = dict(value)
+    method = config.get("method")
+    if method is None and "model" in config or method == "draft_model":
+        config["method"] = "draft"
+    elif method in HEAD_METHODS and "model" in config:
+        if "head" in config:
+            raise InvalidParameterError(f"speculative_config: give the {method} head as model or head, not both")
+        config["head"] = config.pop("model")
+    return config
 
 
 @dataclass(slots=True)
