@@ -155,3 +155,47 @@ def test_a_dummy_load_of_a_gguf_reads_its_metadata_not_its_tensors(tiny_qwen, ti
     converted = resolve_model(str(tiny_qwen_gguf), progress=False)
     assert converted != folder and list(converted.glob("*.safetensors"))
     assert resolve_model(str(tiny_qwen_gguf), progress=False, load_format="dummy") == converted
+
+
+# --- a config that disagrees with the weights: refused before a model of its size is built ------------
+
+def copy_with(tiny_qwen: Path, folder: Path, **fields) -> Path:
+    shutil.copytree(tiny_qwen, folder)
+    config = {**json.loads((tiny_qwen / "config.json").read_text()), **fields}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_hidden_layers": 1_000_000_000}, "num_hidden_layers is 1000000000: past any model's"),  # (hung, growing)
+    ({"hidden_size": 1 << 40, "head_dim": 16}, "hidden_size is 1099511627776: past any model's"),  # (a traceback)
+    ({"head_dim": 1 << 40}, "head_dim is 1099511627776: past any model's"),  # (tried to allocate 4 TB)
+    ({"num_hidden_layers": 3}, "num_hidden_layers is 3, the weights hold 2 layers"),
+    ({"intermediate_size": 96}, r"mlp.gate_proj.weight is \[\d+, \d+\], the config makes it \[96, \d+\]"),
+])
+def test_a_config_the_weights_cannot_fill_is_refused_by_name(tiny_qwen, tmp_path, fields, message):
+    assert json.loads((tiny_qwen / "config.json").read_text())["num_hidden_layers"] == 2
+    with pytest.raises(ModelFormatError, match=message):
+        load(copy_with(tiny_qwen, tmp_path / "model", **fields))
+
+
+def test_a_projection_narrower_than_its_neighbours_is_named_not_a_concatenation_error(tiny_qwen, tmp_path):
+    folder = copy_with(tiny_qwen, tmp_path / "model")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name][:, :16].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=r"layers.0.self_attn.q_proj.weight is \[\d+, 16\], the config"):
+        load(folder)
+
+
+@pytest.mark.parametrize("tokens, merges, message", [
+    (["a", "b", "c"], ["\u0120 a"], "inconsistent tokenizer metadata .*out of vocabulary"),  # (a bare Exception)
+    (["a", "a", "b"], [], "1 duplicate tokens"),
+])
+def test_a_gguf_vocabulary_its_merges_do_not_fit_is_refused_by_name(tokens, merges, message):
+    from draftwise.loading.gguf_tokenizer import build_tokenizer
+
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}
+    with pytest.raises(ModelFormatError, match=message):
+        build_tokenizer(metadata, "damaged.gguf")

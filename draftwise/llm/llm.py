@@ -342,8 +342,8 @@ class LLM:
                 for seq in sequences:
                     if not seq.finished:
                         self.engine.abort(seq)
-        for seq in sequences:
-            self.spec_metrics.merge(seq.metrics.spec)
+                for seq in sequences:  # (the totals are shared with every other thread's calls)
+                    self.spec_metrics.merge(seq.metrics.spec)
         return [gathered([seq.output() for seq in group], params) for group, params in zip(groups, params_list)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
@@ -410,7 +410,8 @@ class LLM:
         finally:
             if not seq.finished:
                 self._abort_soon(seq)
-            self.spec_metrics.merge(seq.metrics.spec)
+            with self._lock:  # (the totals are shared with every other thread's calls)
+                self.spec_metrics.merge(seq.metrics.spec)
 
     def _step(self) -> list[Sequence]:
         with self._lock, self._drawing():

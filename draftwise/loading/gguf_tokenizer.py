@@ -49,6 +49,11 @@ def build_tokenizer(metadata: dict, source: str) -> Tokenizer:
         raise ModelFormatError(f"{source}: tokenizer metadata {missing} is missing") from None
     except (TypeError, ValueError, AttributeError) as error:
         raise ModelFormatError(f"{source}: malformed tokenizer metadata ({error})") from None
+    except Exception as error:
+        if type(error) is not Exception:  # (the tokenizers library's own refusals are plain Exceptions)
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "refused"
+        raise ModelFormatError(f"{source}: inconsistent tokenizer metadata ({first_line})") from None
 
 
 def _build_tokenizer(metadata: dict, source: str) -> Tokenizer:
@@ -69,6 +74,8 @@ def _build_tokenizer(metadata: dict, source: str) -> Tokenizer:
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
     vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelFormatError(f"{source}: tokenizer.ggml.tokens holds {len(tokens) - len(vocab)} duplicate tokens")
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     if pre == "qwen2":

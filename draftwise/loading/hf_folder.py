@@ -18,6 +18,7 @@ from draftwise.quant.apply import QuantizationReport, check_quantization, float_
 from draftwise.quant.cuda_linear import int4_supported
 from draftwise.quant.packed_cache import cache_path, load_packed, save_packed
 from draftwise.model.transformer import Transformer
+from draftwise.loading.shape_check import check_config_against_checkpoint
 from draftwise.model.unallocated import unallocated_transformer
 
 
@@ -185,6 +186,7 @@ def _build_model(folder: Path, device: torch.device | str, dtype: torch.dtype, p
         elif pack_cpu_weights:
             pack_linear_layers(model)
         return model
+    check_config_against_checkpoint(folder, config)  # (before anything of the config's size is built)
     on_cpu = torch.device(device).type == "cpu"  # (CUDA's layers pack on the device, quickly: not cached)
     if mode != "none" and on_cpu:
         cached = _load_packed_model(folder, config, mode)

@@ -73,6 +73,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelFormatError(f"{name} must be a positive integer, got {value!r}")
+        for name, bound in _AT_MOST.items():
+            if getattr(self, name) > bound:
+                raise ModelFormatError(f"{name} is {getattr(self, name)}: past any model's ({bound} at most); "
+                                       "the file is damaged")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFormatError(
                 f"{self.num_attention_heads} attention heads do not divide into "
@@ -174,6 +178,11 @@ _HF_ACTIVATION_NAMES = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 _POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")
+# Far past any released model (Llama 3.1 405B: 126 layers, width 16,384, MLP 53,248; vocabularies to
+# ~262k): a value above its bound is a damaged file, refused before anything of that size is built.
+_AT_MOST = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 20, "num_hidden_layers": 1 << 10,
+            "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "head_dim": 1 << 11,
+            "num_experts": 1 << 12, "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20}
 
 
 def _refuse_unsupported_fields(cfg: dict, source: str) -> None:
