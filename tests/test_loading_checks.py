@@ -199,3 +199,19 @@ def test_a_gguf_vocabulary_its_merges_do_not_fit_is_refused_by_name(tokens, merg
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges}
     with pytest.raises(ModelFormatError, match=message):
         build_tokenizer(metadata, "damaged.gguf")
+
+
+@pytest.mark.parametrize("damage, message", [("misaligned", "off the file's 32-byte alignment"),
+                                             ("overlapping", "overlap")])
+def test_a_gguf_tensor_offset_off_its_alignment_or_onto_another_is_refused(tiny_qwen, tmp_path, damage, message):
+    import gguf
+
+    path = write_tiny_gguf(tiny_qwen, tmp_path / "damaged.gguf")
+    reader = gguf.GGUFReader(str(path), "r+")
+    first, second = reader.tensors[0], reader.tensors[1]
+    offset = second.field.parts[-1]  # (the tensor's offset in the data section, in place in the file)
+    offset[0] = first.field.parts[-1][0] + (1 if damage == "misaligned" else 32)
+    reader.data.flush()
+    del reader
+    with pytest.raises(ModelFormatError, match=message):
+        gguf_file.GGUFFile(path)

@@ -108,8 +108,8 @@ class GGUFFile:
             self._reader = gguf.GGUFReader(str(path))
         except Exception as error:  # the reader raises bare ValueError/IndexError on damaged files
             raise ModelFormatError(f"{path}: corrupt or truncated GGUF file ({type(error).__name__}: {error})") from None
-        self._check_extents()
         self.metadata = {name: self._field(name) for name in self._reader.fields if not name.startswith("GGUF.")}
+        self._check_extents()
         self.architecture = self.metadata.get("general.architecture")
         if self.metadata.get("general.type") == "adapter":
             raise ModelFormatError(f"{path}: a LoRA adapter, not a model (load its base model; adapters are not "
@@ -142,14 +142,26 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: metadata field {name!r} is unreadable ({error})") from None
 
     def _check_extents(self) -> None:
+        """Every tensor inside the file, at its alignment, and none overlapping another (a damaged
+        offset would otherwise read another tensor's bytes, or the header's, as weights)."""
         size = self.path.stat().st_size
-        for tensor in self._reader.tensors:
-            end = int(tensor.data_offset) + int(tensor.n_bytes)
+        alignment = int(self.metadata.get("general.alignment", 32) or 32)
+        previous = None
+        for tensor in sorted(self._reader.tensors, key=lambda t: int(t.data_offset)):
+            start = int(tensor.data_offset)
+            end = start + int(tensor.n_bytes)
             if end > size:
                 raise ModelFormatError(
                     f"{self.path}: truncated GGUF file: tensor {tensor.name!r} ends at byte {end:,} "
                     f"but the file has {size:,} bytes"
                 )
+            if start % alignment:
+                raise ModelFormatError(f"{self.path}: damaged GGUF file: tensor {tensor.name!r} starts at byte "
+                                       f"{start:,}, off the file's {alignment}-byte alignment")
+            if previous is not None and start < previous[1]:
+                raise ModelFormatError(f"{self.path}: damaged GGUF file: tensors {previous[0]!r} and {tensor.name!r} "
+                                       "overlap")
+            previous = (tensor.name, end)
 
     def _config(self) -> ModelConfig:
         arch, meta = self.architecture, self.metadata
