@@ -122,9 +122,10 @@ def test_gguf_metadata_missing_or_zero_is_named(tiny_qwen, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"num_hidden_layers": "two"}, "config.json: a malformed value"),
+    ({"num_hidden_layers": "two"}, "config.json: num_hidden_layers must be an integer, got 'two'"),
     ({"max_position_embeddings": 0}, "config.json: max_position_embeddings must be a positive integer"),
-    ({"hidden_size": None}, "config.json: a malformed value"),
+    ({"hidden_size": None}, "config.json: hidden_size must be an integer, got None"),
+    ({"rms_norm_eps": "small"}, "config.json: a malformed value"),
 ])
 def test_malformed_config_values_are_named(tiny_qwen, change, message):
     import json

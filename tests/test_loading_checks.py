@@ -215,3 +215,18 @@ def test_a_gguf_tensor_offset_off_its_alignment_or_onto_another_is_refused(tiny_
     del reader
     with pytest.raises(ModelFormatError, match=message):
         gguf_file.GGUFFile(path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"hidden_size": 64.5}, "hidden_size must be an integer, got 64.5"),  # (was cut to 64)
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive number"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive number"),
+])
+def test_config_values_no_model_has_are_refused_by_name(tiny_qwen, tmp_path, fields, message):
+    with pytest.raises(ModelFormatError, match=message):
+        read_config(config_with(tiny_qwen, tmp_path / "model", **fields))
+
+
+def test_a_size_written_as_a_whole_float_is_read(tiny_qwen, tmp_path):
+    hidden = json.loads((tiny_qwen / "config.json").read_text())["hidden_size"]
+    assert read_config(config_with(tiny_qwen, tmp_path / "model", hidden_size=float(hidden))).hidden_size == hidden

@@ -4,6 +4,8 @@ Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,6 +87,10 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTIVATIONS:
             raise ModelFormatError(f"hidden activation {self.hidden_act!r} is not supported "
                                    f"(supported: {', '.join(HIDDEN_ACTIVATIONS)})")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ModelFormatError(f"{name} must be a positive number, got {value!r}")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ModelFormatError(f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers")
 
@@ -93,8 +99,8 @@ class ModelConfig:
         _refuse_unsupported_fields(cfg, source)
         try:
             model_type = cfg["model_type"]
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
+            heads = _integer(cfg["num_attention_heads"], "num_attention_heads")
+            hidden = _integer(cfg["hidden_size"], "hidden_size")
             # transformers >= 5 writes rope_parameters; older files rope_theta and rope_scaling.
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             if FULL in rope:  # (per layer type: Gemma 3's in transformers >= 5)
@@ -104,13 +110,13 @@ class ModelConfig:
             rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
             return cls(
                 model_type=model_type,
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=_integer(cfg["vocab_size"], "vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=_integer(cfg["intermediate_size"], "intermediate_size"),
+                num_hidden_layers=_integer(cfg["num_hidden_layers"], "num_hidden_layers"),
                 num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                num_key_value_heads=_integer(cfg.get("num_key_value_heads") or heads, "num_key_value_heads"),
+                head_dim=_integer(cfg.get("head_dim") or hidden // heads, "head_dim"),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 max_position_embeddings=max_positions,
@@ -167,6 +173,15 @@ class ModelConfig:
                 "sliding_window": self.sliding_window, "layer_types": list(self.layer_types),
                 "rope_parameters": {SLIDING: local, FULL: {**full, "rope_theta": self.rope_theta}},
                 "rope_local_base_freq": local["rope_theta"]}
+
+
+def _integer(value, name: str) -> int:
+    """A size from config.json: an integer, or a float with nothing after the point (some writers
+    emit 2048.0); 64.5 is refused, not cut to 64."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or isinstance(value, float) and (not math.isfinite(value) or not value.is_integer())):
+        raise ModelFormatError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
