@@ -66,3 +66,13 @@ class StreamReader:
     def join(self) -> list[str]:
         self.thread.join(timeout=120)
         return self.lines
+
+
+def settled(llm, seconds: float = 20.0) -> dict:
+    """The engine's stats once nothing runs, waits or holds a KV block (or after `seconds`)."""
+    deadline = time.time() + seconds
+    while True:
+        stats = llm.engine_stats()
+        if (stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_in_use"] == 0) or time.time() > deadline:
+            return stats
+        time.sleep(0.05)

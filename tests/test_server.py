@@ -12,7 +12,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from draftwise import LLM, SamplingParams  # noqa: E402
 from draftwise.server.app import ServerOptions  # noqa: E402
-from tests.live_server import LiveServer  # noqa: E402
+from tests.live_server import LiveServer, settled  # noqa: E402
 from draftwise.speculative.control.live_costs import LiveCostModel  # noqa: E402
 from tests.drafting import DRAFTING_PAYS  # noqa: E402
 
@@ -219,12 +219,7 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, llm):
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data:"))
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        stats = llm.engine_stats()
-        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_in_use"] == 0:
-            break
-        time.sleep(0.05)
+    stats = settled(llm)
     assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert 'draftwise:request_aborted_total{model_name="tiny",reason="client_disconnected"}' in metrics

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("uvicorn")
 
 from draftwise import LLM, SamplingParams  # noqa: E402
-from tests.live_server import LiveServer  # noqa: E402
+from tests.live_server import LiveServer, settled  # noqa: E402
 
 MODEL = "tiny"
 ABORTED = 'draftwise:request_aborted_total{model_name="tiny",reason="client_disconnected"}'
@@ -48,16 +48,6 @@ def one_sample_fails(llm, monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(proposer, "propose", faulty_propose)
     return seen
-
-
-def settled(llm) -> dict:
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        stats = llm.engine_stats()
-        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_in_use"] == 0:
-            break
-        time.sleep(0.05)
-    return stats
 
 
 def metric(server, name: str) -> float:
