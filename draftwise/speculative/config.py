@@ -11,26 +11,34 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftwise.errors import InvalidParameterError
-from draftwise.speculative.registry import DrafterSpec, drafter_spec
+from draftwise.speculative.registry import DrafterSpec, all_specs, drafter_spec
 
 MAX_SPECULATIVE_TOKENS = 64
-HEAD_METHODS = ("eagle", "eagle3", "medusa")  # (vLLM names their head `model`; here it is `head`)
 
 
 def from_vllm(value: dict) -> dict:
-    """vLLM's `speculative_config` dict as this package's `speculative` dict: a `model` without a
-    method (or vLLM's method "draft_model") is the draft model, an EAGLE / EAGLE-3 / Medusa `model`
-    is the head; every other field keeps its name (one this package does not know is refused by name)."""
+    """vLLM's `speculative_config` dict as this package's `speculative` dict: the method by vLLM's
+    name for it (a `model` without a method: the drafter registered as vLLM's default for one), and
+    vLLM's `model` as the option it fills here (a draft model's `model`, a head's `head`); every other
+    field keeps its name (one this package does not know is refused by name)."""
     if not isinstance(value, dict):
         raise InvalidParameterError("speculative_config must be a dict (vLLM's form)")
     config = dict(value)
     method = config.get("method")
-    if method is None and "model" in config or method == "draft_model":
-        config["method"] = "draft"
-    elif method in HEAD_METHODS and "model" in config:
-        if "head" in config:
-            raise InvalidParameterError(f"speculative_config: give the {method} head as model or head, not both")
-        config["head"] = config.pop("model")
+    specs = all_specs()
+    if method is None and "model" in config:
+        spec = next((s for s in specs if s.vllm_model_default), None)
+    else:
+        spec = next((s for s in specs if method == s.name or method in s.vllm_names), None)
+    if spec is None:
+        return config  # (refused by name when it is read)
+    config["method"] = spec.name
+    target = spec.vllm_model_option
+    if "model" in config and target is not None and target != "model":
+        if target in config:
+            raise InvalidParameterError(f"speculative_config: give the {spec.name} {target} as model or {target}, "
+                                        "not both")
+        config[target] = config.pop("model")
     return config
 
 

@@ -69,6 +69,12 @@ class DrafterSpec:
     # The `TrainSettings` fields its training reads beyond the shared ones (epochs, learning rate,
     # batch size, held-out share, kept tokens, heads): `train-head` refuses the others when given.
     train_reads: frozenset[str] = frozenset()
+    # vLLM's `speculative_config` (`config.from_vllm`): the method names vLLM gives this drafter
+    # besides `name`; the option here that vLLM's `model` field fills (None: vLLM's `model` is not
+    # this drafter's); whether a `model` given without a method means this drafter.
+    vllm_names: tuple[str, ...] = ()
+    vllm_model_option: str | None = None
+    vllm_model_default: bool = False
 
     def parse_options(self, values: dict | Any | None) -> Any:
         """The drafter's options from a dict (unknown names refused), an instance, or None (defaults)."""

@@ -253,4 +253,5 @@ def _draft_runner(draft_model, target: Target) -> ModelRunner:
 
 register(DrafterSpec("draft", "a smaller model with the same tokenizer (checked at start-up), or another one with "
                                 "cross_tokenizer", DraftModelOptions,
-                     build_draft_model, check=check_draft_model, per_request=False, drafts_with_model=True))
+                     build_draft_model, check=check_draft_model, per_request=False, drafts_with_model=True,
+                     vllm_names=("draft_model",), vllm_model_option="model", vllm_model_default=True))

@@ -97,4 +97,4 @@ def train_eagle_head(model, tokenizer, target_name: str, examples: list[Example]
 
 register(DrafterSpec(KIND, "one decoder layer on the target's features, drafting on its own (draftwise train-head)",
                      EagleOptions, build_eagle, benchmark_by_default=False, train=train_eagle_head,
-                     train_reads=frozenset({"head_width", "bf16"})))
+                     train_reads=frozenset({"head_width", "bf16"}), vllm_model_option="head"))

@@ -107,4 +107,4 @@ def train_eagle3_head(model, tokenizer, target_name: str, examples: list[Example
 register(DrafterSpec(KIND, "one decoder layer on three of the target's layers fused, drafting on its own "
                            "(draftwise train-head)", Eagle3Options, build_eagle3, benchmark_by_default=False,
                      train=train_eagle3_head, train_layers=train_layers,
-                     train_reads=frozenset({"head_width", "bf16"})))
+                     train_reads=frozenset({"head_width", "bf16"}), vllm_model_option="head"))

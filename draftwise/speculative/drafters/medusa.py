@@ -138,4 +138,5 @@ def train_medusa_head(model, tokenizer, target_name: str, examples: list[Example
 
 
 register(DrafterSpec(KIND, "K heads on the target's last hidden state (trained by draftwise train-head)",
-                     MedusaOptions, build_medusa, benchmark_by_default=False, train=train_medusa_head))
+                     MedusaOptions, build_medusa, benchmark_by_default=False, train=train_medusa_head,
+                     vllm_model_option="head"))
