@@ -73,7 +73,14 @@ def test_a_stream_whose_sample_fails_ends_with_its_error_and_done(server, llm, o
     assert stats["running"] == 0 and stats["kv_blocks_in_use"] == 0
 
 
-def test_a_client_that_leaves_a_stream_of_samples_aborts_them_and_counts_once(server, llm):
+def test_a_client_that_leaves_a_stream_of_samples_aborts_them_and_counts_once(server, llm, monkeypatch):
+    step = llm.engine.step
+
+    def slow_step():  # (the samples cannot run to their end before the server hears the client leave)
+        time.sleep(0.03)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
     before = metric(server, ABORTED)
     for _ in range(3):
         with httpx.stream("POST", server.url + "/v1/completions", json={**BODY, "stream": True},
