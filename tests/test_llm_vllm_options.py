@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftwise import LLM, SamplingParams
-from draftwise.errors import InvalidParameterError
+from draftwise.errors import DraftwiseError, InvalidParameterError
 from tests.tiny_models import CHAT_TEMPLATE
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
@@ -230,3 +230,31 @@ def test_get_tokenizer_and_tokens_prompt_as_vllm_names_them(plain):
     assert plain.get_tokenizer() is plain.tokenizer
     prompt = TokensPrompt(prompt_token_ids=plain.get_tokenizer().encode(PROMPTS[0]))
     assert plain.generate(prompt, GREEDY)[0].token_ids == plain.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
+# --- truncate_prompt_tokens -------------------------------------------------------------------------
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(plain):
+    from draftwise import TokensPrompt
+
+    text = "def add(a, b):\n    return a + b\n" * 40  # [~400 tokens: past the context of 256]
+    ids = plain.tokenizer.encode(text)
+    assert len(ids) > 256
+    with pytest.raises(DraftwiseError, match="prompt has"):
+        plain.generate(text, GREEDY)
+    cut = plain.generate(text, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=50))[0]
+    assert cut.prompt_token_ids == ids[-50:]
+    assert cut.token_ids == plain.generate(TokensPrompt(prompt_token_ids=ids[-50:]), GREEDY)[0].token_ids
+    # -1: as much as leaves the context room for max_tokens
+    whole = plain.generate(text, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=-1))
+    assert whole[0].prompt_token_ids == ids[-252:] and len(whole[0].token_ids) == 4
+    unbounded = plain.generate(text, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True,
+                                                    truncate_prompt_tokens=-1))
+    assert unbounded[0].prompt_token_ids == ids[-255:] and len(unbounded[0].token_ids) == 1
+    short = plain.generate("def", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=50))
+    assert short[0].token_ids == plain.generate("def", GREEDY)[0].token_ids  # (a shorter prompt: unchanged)
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.5, True])
+def test_a_truncation_that_is_not_minus_one_or_positive_is_refused(value):
+    with pytest.raises(InvalidParameterError, match="truncate_prompt_tokens must be -1 or a positive integer"):
+        SamplingParams(truncate_prompt_tokens=value)

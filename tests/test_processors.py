@@ -25,8 +25,13 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):\n    pr
 
 def naive(logits: torch.Tensor, params: SamplingParams, prompt: list[int], history: list[int],
           end_ids: set[int], bad_words: list[list[int]]) -> torch.Tensor:
-    """One position, from scratch, in vLLM's order: bans, bias, repetition, frequency/presence."""
+    """One position, from scratch, in vLLM's order: allowed tokens, bans, bias, repetition,
+    frequency/presence."""
     out = logits.clone().float()
+    if params.allowed_token_ids:
+        for t in range(len(out)):
+            if t not in params.allowed_token_ids:
+                out[t] = float("-inf")
     if len(history) < params.min_tokens:
         for t in end_ids:
             out[t] = float("-inf")
@@ -44,7 +49,8 @@ def naive(logits: torch.Tensor, params: SamplingParams, prompt: list[int], histo
 
 
 EVERYTHING = SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
-                            logit_bias={3: 2.5, 7: -4.0}, min_tokens=6, max_tokens=20)
+                            logit_bias={3: 2.5, 7: -4.0}, min_tokens=6, max_tokens=20,
+                            allowed_token_ids=[0, 1, 3, 5, 7, 9, 11, 13] + list(range(16, 40, 3)))
 
 
 def test_every_position_is_processed_as_plain_decoding_would_process_it():
@@ -73,6 +79,9 @@ def test_every_position_is_processed_as_plain_decoding_would_process_it():
     ({"logit_bias": {5: 101}}, "in [-100, 100]"),
     ({"bad_words": "word"}, "bad_words must be a list"),
     ({"logprobs": 21}, "logprobs must be an integer from 0 to 20"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list of token ids"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": 7}, "allowed_token_ids must be a non-empty list"),
 ])
 def test_bad_processor_parameters_are_refused_by_name(fields, message):
     with pytest.raises(InvalidParameterError, match=message.replace("(", r"\(").replace(")", r"\)")
@@ -98,6 +107,7 @@ PROCESSORS = {
     "min_p": dict(min_p=0.2, temperature=0.8, seed=3),  # (greedy ignores min_p: a seeded draw does not)
     "min_tokens": dict(min_tokens=12, logit_bias={2: 8.0}),  # EOS (id 2) made likely, held back 12 tokens
     "bad_words": dict(bad_words=["ab", "the", "x = np"]),
+    "allowed": dict(allowed_token_ids=[2, 14, 31, 37, 40, 41, 69, 70, 71, 72, 83, 84, 99] + list(range(260, 320))),
     "all": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={40: 3.0},
                 min_tokens=4, bad_words=["quick"]),
 }
@@ -133,6 +143,37 @@ def test_processors_do_what_they_say(plain):
     held = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, logit_bias={2: 30.0}, min_tokens=5))
     for output in held:
         assert len(output.token_ids) == 6 and output.token_ids[-1] == 2 and output.finish_reason == "stop"
+    allowed = sampling("allowed").allowed_token_ids
+    for params in (sampling("allowed"), SamplingParams(temperature=1.0, seed=5, max_tokens=24, allowed_token_ids=allowed)):
+        for output in plain.generate(PROMPTS, params):
+            assert output.token_ids and set(output.token_ids) <= set(allowed)
+
+
+def test_allowed_token_ids_are_checked_against_the_vocabulary_and_the_bans(plain):
+    for params, message in ((SamplingParams(allowed_token_ids=[5, 320]), "allowed_token_ids hold an id >= the vocabulary"),
+                            (SamplingParams(allowed_token_ids=[40], bad_words=["F"]), "bad_words ban every one"),
+                            (SamplingParams(allowed_token_ids=[2], min_tokens=3), "min_tokens holds the end back")):
+        with pytest.raises(InvalidParameterError, match=message):
+            plain.generate("def", params)
+    # with ignore_eos, EOS ends nothing: min_tokens holds nothing back
+    assert plain.generate("def", SamplingParams(allowed_token_ids=[2], min_tokens=3, max_tokens=4,
+                                                ignore_eos=True))[0].token_ids == [2] * 4
+
+
+@pytest.mark.parametrize("drafter", [None, "draft=target", "ngram"])
+def test_a_position_where_allowed_token_ids_and_bad_words_leave_nothing_ends_the_request_by_name(
+        drafter, plain, tiny_qwen, random_draft):
+    """'F' (id 40) is banned everywhere and 'GG' after a 'G' (41): from the second token on nothing is
+    left, greedy or sampled, drafting or not."""
+    llm = plain if drafter is None else LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=8, progress=False,
+                                            speculative=DRAFTERS[drafter](tiny_qwen, random_draft))
+    for sampled in ({"temperature": 0}, {"temperature": 0.8, "seed": 4}):
+        params = SamplingParams(max_tokens=8, allowed_token_ids=[40, 41], bad_words=["F", "GG"], **sampled)
+        outputs = llm.generate(["def", "The quick brown fox", "GG GG GG GG"], params)
+        for output in outputs:
+            assert output.token_ids == [41] and output.finish_reason == "error"
+            assert "no token is allowed at output position 1" in output.error
+    assert llm.generate("def", SamplingParams(temperature=0, max_tokens=3))[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
@@ -156,7 +197,7 @@ NUM_POSITIONS = 4
 PROMPT = "The quick brown fox"
 SETTINGS = [SamplingParams(temperature=0.9, min_p=0.05, presence_penalty=1.2, frequency_penalty=0.6,
                            repetition_penalty=1.4, logit_bias={40: 2.0, 41: 1.0}, max_tokens=NUM_POSITIONS,
-                           ignore_eos=True),
+                           ignore_eos=True, allowed_token_ids=[40, 41] + list(range(3, 320, 2))),
             SamplingParams(temperature=1.2, top_k=12, repetition_penalty=0.7, bad_words=["fox", "the"],
                            min_tokens=NUM_POSITIONS, max_tokens=NUM_POSITIONS)]
 

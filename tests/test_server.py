@@ -316,3 +316,32 @@ def test_serve_seed_seeds_the_engines_random_stream(tiny_qwen):
         app, engine = server_from_argv(["--model", str(tiny_qwen), "--max-model-len", "128", *extra])
         engine.drain(0.0)
         assert (engine.llm._random is not None) == seeded
+
+
+def test_allowed_token_ids_through_the_server(server, reference):
+    """vLLM's field, as an extra body field: the same tokens as the library's, and a bad id refused by name."""
+    client = server.client()
+    allowed = [14, 31, 37, 40, 41, 69, 70, 71, 72, 83, 84, 99] + list(range(260, 320))
+    expected = reference.generate("def add(a, b):", SamplingParams(**GREEDY, allowed_token_ids=allowed))[0]
+    got = client.completions.create(model=MODEL, prompt="def add(a, b):", **GREEDY,
+                                    extra_body={"allowed_token_ids": allowed})
+    assert got.choices[0].text == expected.text and set(expected.token_ids) <= set(allowed)
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids hold an id >= the vocabulary"):
+        client.completions.create(model=MODEL, prompt="def", **GREEDY, extra_body={"allowed_token_ids": [5, 10**6]})
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids must be a non-empty list"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **GREEDY,
+                                       extra_body={"allowed_token_ids": []})
+
+
+def test_truncate_prompt_tokens_through_the_server(server, reference):
+    client = server.client()
+    text = "def add(a, b):\n    return a + b\n" * 40  # [past the context of 256]
+    with pytest.raises(openai.BadRequestError, match="prompt has"):
+        client.completions.create(model=MODEL, prompt=text, **GREEDY)
+    got = client.completions.create(model=MODEL, prompt=text, **GREEDY, extra_body={"truncate_prompt_tokens": 40})
+    ids = reference.tokenizer.encode(text)[-40:]
+    from draftwise import TokensPrompt
+    assert got.usage.prompt_tokens == 40
+    assert got.choices[0].text == reference.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(**GREEDY))[0].text
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be -1 or a positive integer"):
+        client.completions.create(model=MODEL, prompt=text, **GREEDY, extra_body={"truncate_prompt_tokens": 0})

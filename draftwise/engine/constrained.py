@@ -106,14 +106,14 @@ class PendingMasks:
 
 
 class DeadPositions:
-    """Constrained row -> the first position of its pass where every token is excluded, its grammar's
-    mask and the request's own exclusions together (bad_words, min_tokens' ban on ending, logit_bias
-    of -inf): nothing may be emitted there. Computed on the logits' device when built, read back on
-    the first `get` (after verification's own host sync, so the step waits on the device once)."""
+    """Constrained row (a grammar, or allowed_token_ids) -> the first position of its pass where every
+    token is excluded, its grammar's mask and the request's own exclusions together (allowed_token_ids,
+    bad_words, min_tokens' ban on ending, logit_bias of -inf): nothing may be emitted there. Computed
+    on the logits' device when built, read back on the first `get` (after verification's own host sync, so the step waits on the device once)."""
 
     def __init__(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """logits [B, K+1, V], masked and processed."""
-        self.rows = [b for b, seq in enumerate(batch) if seq.grammar is not None]
+        self.rows = [b for b, seq in enumerate(batch) if seq.grammar is not None or seq.params.allowed_token_ids]
         self._first: torch.Tensor | None = None
         self._first_of_row: dict[int, int] | None = None
         if self.rows:
@@ -142,12 +142,19 @@ def answer_tokens(seq: Sequence, tokens: list[int], dead: int | None) -> tuple[l
     kind = seq.grammar.kind
     if dead is not None and dead < len(tokens):
         return tokens[:dead], (f"no token is allowed at output position {len(seq.output_ids) + dead}: the {kind} "
-                               "constraint and the request's bad_words, min_tokens or logit_bias exclude every one")
+                               "constraint and the request's allowed_token_ids, bad_words, min_tokens or logit_bias "
+                               "exclude every one")
     valid = seq.grammar.accepted_prefix(tokens)
     if valid < len(tokens):
         return tokens[:valid], (f"the {kind} constraint cannot be completed after output position "
                                 f"{len(seq.output_ids) + valid}: nothing it allows can follow there")
     return tokens, None
+
+
+def nothing_allowed(seq: Sequence, dead: int) -> str:
+    """Why a row without a grammar ends at `dead`: its allowed_token_ids and bans leave nothing there."""
+    return (f"no token is allowed at output position {len(seq.output_ids) + dead}: the request's "
+            "allowed_token_ids, bad_words and min_tokens exclude every one")
 
 
 def after_commit(seq: Sequence) -> None:

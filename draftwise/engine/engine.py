@@ -21,7 +21,7 @@ from functools import partial
 import torch
 
 from draftwise.engine.constrained import (PendingMasks, after_commit, answer_tokens, DeadPositions, forced_drafts,
-                                         with_forced, within_grammar)
+                                         nothing_allowed, with_forced, within_grammar)
 from draftwise.engine.hidden_states import HiddenRecorder, hand_hidden, hidden_layers, kept_positions, reads_hidden
 from draftwise.engine.logprobs import token_logprobs
 from draftwise.engine.processed import apply_processors, chain_rows
@@ -321,6 +321,8 @@ class Engine:
             emitted, unsatisfiable = tokens[:accepted + 1], None
             if seq.grammar is not None:
                 emitted, unsatisfiable = self._on_grammar(answer_tokens, seq, emitted, dead.get(b))
+            elif dead.get(b) is not None and dead.get(b) < len(emitted):  # (allowed_token_ids, all banned)
+                emitted, unsatisfiable = emitted[:dead.get(b)], nothing_allowed(seq, dead.get(b))
             committed = seq.append(emitted)
             if seq.logprobs is not None:
                 seq.logprobs += token_logprobs(raw_logits[b], seq.output_ids[len(seq.output_ids) - committed:],

@@ -25,9 +25,9 @@ from draftwise.llm.kernel_builds import start_kernel_builds
 from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.random_stream import RandomStream
 from draftwise.llm.samples import gathered, per_sample, sample_count
-from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_chat_options, check_max_tokens_fit,
-                                    check_messages, check_prompt_ids, prompt_parts, request_speculation,
-                                    without_idle_top_k)
+from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_allowed_tokens, check_chat_options,
+                                    check_max_tokens_fit, check_messages, check_prompt_ids, prompt_parts,
+                                    request_speculation, truncated, without_idle_top_k)
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
@@ -268,6 +268,7 @@ class LLM:
         text, prompt_ids, cache_salt = prompt_parts(prompt)
         if prompt_ids is None:
             prompt_ids = self.tokenizer.encode(text)
+        prompt_ids = truncated(prompt_ids, params, self.max_model_len)
         check_prompt_ids(prompt_ids, self.max_model_len)
         check_against_vocabulary(prompt_ids, params, self.model.config.vocab_size)
         params = without_idle_top_k(params, self.model.config.vocab_size)
@@ -283,6 +284,7 @@ class LLM:
             seq.grammar = self.grammars.request_grammar(params.structured_outputs)
         if params.bad_words:
             seq.bad_words_ids = bad_word_ids(params.bad_words, lambda text: self.tokenizer.encode_batch([text])[0])
+        check_allowed_tokens(params, seq.bad_words_ids, seq.end_token_ids)
         if params.prompt_logprobs is not None:  # (a pass of its own over the prompt, before the request runs)
             with on_device(self.device):
                 seq.prompt_logprobs = prompt_logprobs(self.model, prompt_ids, params.prompt_logprobs)

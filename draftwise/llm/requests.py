@@ -56,6 +56,17 @@ def text_prompt(prompt) -> str:
     return check_text(prompt, "prompt")
 
 
+def truncated(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens, vLLM's left cut; -1: as many as leave the
+    context room for max_tokens (for one token where max_tokens is None)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max(1, max_model_len - (params.max_tokens or 1))
+    return prompt_ids[-keep:]
+
+
 def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
     """Token ids the model's vocabulary can hold."""
     if any(i >= vocab_size for i in prompt_ids):
@@ -64,6 +75,22 @@ def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, voca
         raise InvalidParameterError(f"stop_token_ids hold an id >= the vocabulary's {vocab_size}")
     if params.logit_bias and any(i >= vocab_size for i in params.logit_bias):
         raise InvalidParameterError(f"logit_bias holds a token id >= the vocabulary's {vocab_size}")
+    if params.allowed_token_ids and any(i >= vocab_size for i in params.allowed_token_ids):
+        raise InvalidParameterError(f"allowed_token_ids hold an id >= the vocabulary's {vocab_size}")
+
+
+def check_allowed_tokens(params: SamplingParams, bad_words_ids: list[list[int]], end_ids: frozenset[int]) -> None:
+    """allowed_token_ids that the request's own bans leave some token of: bad words of one token ban
+    theirs everywhere, min_tokens bans the end tokens (`end_ids`) at the first positions."""
+    if not params.allowed_token_ids:
+        return
+    allowed = set(params.allowed_token_ids)
+    always_banned = {word[0] for word in bad_words_ids if len(word) == 1}
+    if allowed <= always_banned:
+        raise InvalidParameterError("allowed_token_ids: bad_words ban every one of them")
+    if params.min_tokens and allowed <= always_banned | end_ids:
+        raise InvalidParameterError("allowed_token_ids: every one of them ends the request or is a bad word, "
+                                    "and min_tokens holds the end back: nothing could be generated")
 
 
 def without_idle_top_k(params: SamplingParams, vocab_size: int) -> SamplingParams:

@@ -40,11 +40,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times its count in the output, in [-2, 2]
     repetition_penalty: float = 1.0  # tokens of the prompt and output: positive logits / r, negative * r
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated (vLLM's field)
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings not looked for, until this many tokens
     bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
     logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the N most likely
+    truncate_prompt_tokens: int | None = None  # k: only the prompt's last k tokens are read (-1: what leaves room for max_tokens)
     n: int = 1  # samples returned per prompt
     best_of: int | None = None  # samples generated per prompt (>= n), the n most likely returned
 
@@ -102,6 +104,12 @@ class SamplingParams:
                                                 f"got {token!r}: {value!r}")
                 bias[token] = float(value)
             self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                    or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+                raise InvalidParameterError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                            f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words must be a list of non-empty strings")
@@ -110,6 +118,11 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise InvalidParameterError(f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, "
                                         f"got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or not (self.truncate_prompt_tokens == -1
+                                                                or self.truncate_prompt_tokens >= 1)):
+            raise InvalidParameterError(f"truncate_prompt_tokens must be -1 or a positive integer, "
+                                        f"got {self.truncate_prompt_tokens!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             raise InvalidParameterError(f"n must be an integer from 1 to {MAX_SAMPLES}, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):

@@ -1,6 +1,6 @@
 """Logits processors: what a request's penalties, logit bias, min_tokens and bad words do to the
-target's logits at a position, given the tokens before it. vLLM's semantics and order: min_tokens
-and bad words ban tokens, logit_bias adds, then the penalties (repetition: prompt and output tokens,
+target's logits at a position, given the tokens before it. vLLM's semantics and order: allowed_token_ids
+keeps only its tokens, min_tokens and bad words ban tokens, logit_bias adds, then the penalties (repetition: prompt and output tokens,
 a positive logit divided by r and a negative one multiplied; frequency and presence: output tokens,
 minus frequency x count and presence x [count > 0]); temperature, min_p, top-k and top-p follow in
 `sampler.warp_logits`. Greedy decoding takes the argmax of the processed logits.
@@ -34,7 +34,7 @@ class RowHistory:
 
 def needs_processing(params: SamplingParams) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or params.logit_bias or params.min_tokens or params.bad_words)
+                or params.logit_bias or params.min_tokens or params.bad_words or params.allowed_token_ids)
 
 
 def process_positions(logits: torch.Tensor, histories: list[RowHistory], drafts: list[list[int]]) -> torch.Tensor:
@@ -53,6 +53,10 @@ def _process_row(row: torch.Tensor, history: RowHistory, draft: list[int], vocab
     width = row.shape[0]
     positions = min(width, len(draft) + 1)
     # Bans first (-inf stays -inf under every later step).
+    if params.allowed_token_ids:
+        outside = torch.ones(vocab, dtype=torch.bool)
+        outside[[t for t in params.allowed_token_ids if t < vocab]] = False
+        row[:positions, outside] = float("-inf")
     if params.min_tokens:
         for i in range(positions):
             if len(history.output_ids) + i < params.min_tokens:

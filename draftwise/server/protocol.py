@@ -59,11 +59,13 @@ class SamplingFields(BaseModel):
     min_p: Number | None = None
     min_tokens: StrictInt | None = None
     bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     spaces_between_special_tokens: StrictBool | None = None
     prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     speculative: SpeculationRequest | None = None
     segment: StrictStr | None = Field(default=None, pattern=SEGMENT_PATTERN)
     cache_salt: StrictStr | None = Field(default=None, min_length=1)  # vLLM's: only the same salt shares prefix blocks

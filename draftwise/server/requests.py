@@ -280,7 +280,8 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: Serve
         raise RequestError(400, f"a stop sequence is longer than {limits.max_stop_chars} characters", "stop")
     optional = {name: getattr(body, name) for name in (
         "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens",
-        "bad_words", "stop_token_ids", "include_stop_str_in_output", "prompt_logprobs")
+        "bad_words", "allowed_token_ids", "stop_token_ids", "include_stop_str_in_output", "prompt_logprobs",
+        "truncate_prompt_tokens")
         if getattr(body, name) is not None}
     skip_special = body.skip_special_tokens if body.skip_special_tokens is not None else not keep_special
     try:
