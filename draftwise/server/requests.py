@@ -9,6 +9,7 @@ prompt's size before it is tokenized) come from `ServerLimits`.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -105,8 +106,19 @@ class EngineRequest:
 def completion_requests(body: CompletionRequest, limits: ServerLimits, served: Served) -> list[EngineRequest]:
     """One request for the engine per prompt of the body: `prompt` may be a batch (a list of strings,
     or of token-id lists), each prompt answered as a request of its own with the body's options
-    (OpenAI's and vLLM's choices: prompt i's samples are choices i n ... i n + n - 1)."""
-    return [completion_request(body, limits, served, prompt) for prompt in _prompts(body.prompt)]
+    (OpenAI's and vLLM's choices: prompt i's samples are choices i n ... i n + n - 1). The options
+    are read and checked once, then given to every prompt."""
+    prompts = _prompts(body.prompt)
+    options = _completion_options(body, limits, served)
+    return [_with_prompt(options, body, prompt) for prompt in prompts]
+
+
+def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
+    """The request of a body of one prompt."""
+    requests = completion_requests(body, limits, served)
+    if len(requests) != 1:
+        raise RequestError(400, "a batch of prompts: one request each (`completion_requests`)", "prompt")
+    return requests[0]
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -126,18 +138,26 @@ def _prompts(prompt) -> list[str | list[int]]:
     return batch
 
 
-def completion_request(body: CompletionRequest, limits: ServerLimits, served: Served,
-                       prompt: str | list[int] | None = None) -> EngineRequest:
-    """The request for one prompt of the body (`prompt`; None: the body's own, which must be one)."""
-    if prompt is None:
-        prompts = _prompts(body.prompt)
-        if len(prompts) != 1:
-            raise RequestError(400, "a batch of prompts: one request each (`completion_requests`)", "prompt")
-        prompt = prompts[0]
+def _completion_options(body: CompletionRequest, limits: ServerLimits, served: Served) -> EngineRequest:
+    """What every prompt of a completions body is asked with (the request without its prompt)."""
     _refuse_unserved(body, {**_COMMON, **_COMPLETIONS})
     structure, field = _structure(body)
     request = EngineRequest(_sampling_params(body, body.max_tokens, limits, structure), _options(body, served),
                             constraint_param=field)
+    if body.echo:
+        if body.logprobs is not None:  # (the prompt's tokens are listed too: their logprobs are needed)
+            request.params = replace(request.params, prompt_logprobs=max(request.params.prompt_logprobs or 0,
+                                                                         body.logprobs))
+        if body.suffix is not None:
+            raise RequestError(400, "echo and suffix together are not supported", "echo", "unsupported_parameter")
+        request.echo = True
+    request.method = _method(request.options, served)
+    return request
+
+
+def _with_prompt(options: EngineRequest, body: CompletionRequest, prompt: str | list[int]) -> EngineRequest:
+    """`options` asked of one prompt (its own copy: the engine keeps a request's options apart)."""
+    request = replace(options, options=copy.deepcopy(options.options))
     if isinstance(prompt, list):
         request.token_ids = prompt
     else:
@@ -148,14 +168,6 @@ def completion_request(body: CompletionRequest, limits: ServerLimits, served: Se
             raise RequestError(400, "suffix needs a text prompt (the part before the gap)", "suffix")
         request.fim_suffix = body.suffix
         request.num_prompt_chars += len(body.suffix)
-    if body.echo:
-        if body.logprobs is not None:  # (the prompt's tokens are listed too: their logprobs are needed)
-            request.params = replace(request.params, prompt_logprobs=max(request.params.prompt_logprobs or 0,
-                                                                         body.logprobs))
-        if body.suffix is not None:
-            raise RequestError(400, "echo and suffix together are not supported", "echo", "unsupported_parameter")
-        request.echo = True
-    request.method = _method(request.options, served)
     return request
 
 
