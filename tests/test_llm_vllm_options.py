@@ -258,3 +258,16 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(plain):
 def test_a_truncation_that_is_not_minus_one_or_positive_is_refused(value):
     with pytest.raises(InvalidParameterError, match="truncate_prompt_tokens must be -1 or a positive integer"):
         SamplingParams(truncate_prompt_tokens=value)
+
+
+# --- options vLLM scripts pass to LLM ------------------------------------------------------------------
+def test_one_device_and_no_remote_code_as_vllm_scripts_pass_them(tiny_qwen):
+    llm = build(tiny_qwen, tensor_parallel_size=1, trust_remote_code=True)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+    for options, message in (({"tensor_parallel_size": 2}, "tensor_parallel_size 2: draftwise runs a model on one device"),
+                             ({"tensor_parallel_size": True}, "tensor_parallel_size True"),
+                             ({"trust_remote_code": "yes"}, "trust_remote_code must be true or false")):
+        with pytest.raises(InvalidParameterError, match=message):
+            build(tiny_qwen, **options)
+    with pytest.raises(TypeError, match="gpu_memory_utilization"):  # (not taken, by name)
+        build(tiny_qwen, gpu_memory_utilization=0.9)

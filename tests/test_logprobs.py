@@ -33,7 +33,10 @@ def test_logprobs_are_the_models_log_softmax_at_each_generated_position(plain):
         assert math.isclose(entry[token].logprob, float(expected[position, token]), abs_tol=1e-4)
         top = expected[position].topk(3).indices.tolist()
         assert [t for t, lp in sorted(entry.items(), key=lambda item: item[1].rank)] == top
+        for t, lp in entry.items():  # vLLM's decoded_token: the token's text alone, special tokens written
+            assert lp.decoded_token == plain.tokenizer.decode([t], skip_special_tokens=False)
     assert output.outputs[0].logprobs == output.logprobs
+    assert any(lp.decoded_token.strip() for entry in output.logprobs for lp in entry.values())
 
 
 DRAFTERS = {name: DRAFTERS_ALL[name] for name in ("draft=target", "random draft", "draft=target tree", "ngram")}
@@ -160,6 +163,7 @@ def test_prompt_logprobs(tiny_qwen):
         entry = output.prompt_logprobs[p]
         assert abs(entry[ids[p]].logprob - float(expected[p - 1, ids[p]])) < 1e-4
         assert len([lp for lp in entry.values() if lp.rank <= 2]) == 2
+        assert all(lp.decoded_token == plain.tokenizer.decode([t], skip_special_tokens=False) for t, lp in entry.items())
 
 
 def test_echo_with_logprobs_lists_the_prompt_first(server):

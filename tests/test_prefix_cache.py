@@ -120,9 +120,13 @@ def test_tenants_and_cache_salts_partition_the_prefix_cache(tiny_qwen):
         while llm.has_unfinished_requests():
             outputs += [o for o in llm.step() if o.request_id == request_id and o.finished]
         assert outputs[0].token_ids == expected
-        return llm.engine_stats()["prefix_cache_hits"] - before
+        hits = llm.engine_stats()["prefix_cache_hits"] - before
+        assert outputs[0].num_cached_tokens == hits  # (vLLM's per-request count)
+        return hits
 
-    expected = llm.generate(prompt, params)[0].token_ids  # (cached under no tenant, no salt)
+    first = llm.generate(prompt, params)[0]  # (cached under no tenant, no salt)
+    expected = first.token_ids
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == expected
     assert hits_of(prompt, tenant="alpha") == 0
     assert hits_of(prompt, tenant="beta") == 0
     assert hits_of(prompt, tenant="alpha") > 0

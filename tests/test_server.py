@@ -167,8 +167,10 @@ def test_cache_salt_and_api_keys_partition_the_prefix_cache(tiny_qwen):
 
     def hits_of(key: str, **extra) -> int:
         before = llm.engine_stats()["prefix_cache_hits"]
-        live.client(key).completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
-        return llm.engine_stats()["prefix_cache_hits"] - before
+        answer = live.client(key).completions.create(model=MODEL, prompt=prompt, **GREEDY, extra_body=extra)
+        hits = llm.engine_stats()["prefix_cache_hits"] - before
+        assert answer.usage.prompt_tokens_details.cached_tokens == hits  # (OpenAI's usage field)
+        return hits
 
     try:
         assert hits_of("alpha") == 0

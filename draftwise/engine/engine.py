@@ -120,8 +120,11 @@ class Engine:
             seq = batch[0]
             seq.row = self.runner.allocate()
             # (a head reading the target's states, or a recorder, needs the whole prompt's)
+            cached = 0
             if not reads_hidden(self.drafters, seq) and self.recorder is None:
-                self.runner.share_prefix(seq.row, self._shareable(seq), seq.prefix_salt)
+                cached = self.runner.share_prefix(seq.row, self._shareable(seq), seq.prefix_salt)
+            if seq.num_cached_tokens is None:  # (vLLM's: counted when it first runs, not on a resume)
+                seq.num_cached_tokens = cached
             if seq.output_ids:  # resumed after preemption: its prompt apart from what it generated
                 self._feed_prompt(seq)
             else:
@@ -326,7 +329,7 @@ class Engine:
             committed = seq.append(emitted)
             if seq.logprobs is not None:
                 seq.logprobs += token_logprobs(raw_logits[b], seq.output_ids[len(seq.output_ids) - committed:],
-                                               seq.params.logprobs)
+                                               seq.params.logprobs, seq.decode_token)
             self._on_grammar(after_commit, seq)
             if unsatisfiable is not None:
                 seq.fail(unsatisfiable, "constraint_unsatisfiable")

@@ -5,14 +5,17 @@ the same bits whether it is verified alone or beside a draft, so they equal plai
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from draftwise.engine.outputs import Logprob
 
 
-def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top: int) -> list[dict[int, Logprob]]:
+def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top: int,
+                   decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
     """raw_logits [n, V] at the positions that produced token_ids [n] -> per token {id: Logprob} for
-    it and the `top` most likely."""
+    it and the `top` most likely, each with its text from `decode` (token id -> text)."""
     if not token_ids:
         return []
     logprobs = torch.log_softmax(raw_logits[:len(token_ids)].float(), dim=-1)  # [n, V]
@@ -22,9 +25,10 @@ def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top: int) -> 
     best_values, best_ids = logprobs.topk(top, dim=-1) if top else (None, None)
     result = []
     for i, token in enumerate(token_ids):
-        entry = {token: Logprob(float(chosen_logprobs[i]), int(ranks[i]))}
+        entry = {token: Logprob(float(chosen_logprobs[i]), int(ranks[i]), decode and decode(token))}
         if top:
             for rank, (value, other) in enumerate(zip(best_values[i].tolist(), best_ids[i].tolist()), start=1):
-                entry.setdefault(other, Logprob(value, rank))
+                if other not in entry:
+                    entry[other] = Logprob(value, rank, decode and decode(other))
         result.append(entry)
     return result

@@ -50,9 +50,11 @@ class RequestMetrics:
 @dataclass(frozen=True, slots=True)
 class Logprob:
     """vLLM's shape: a token's log-probability under the model (its raw logits' log-softmax, before
-    penalties, grammars and temperature) and its rank among all tokens (1: the most likely)."""
+    penalties, grammars and temperature), its rank among all tokens (1: the most likely) and its text
+    decoded alone (special tokens as written; part of a character as U+FFFD, as vLLM shows it)."""
     logprob: float
     rank: int
+    decoded_token: str | None = None
 
 
 # One dict per generated token: token id -> Logprob, for the generated token and the top N.
@@ -91,6 +93,7 @@ class RequestOutput:
     completions: list[CompletionOutput] | None = None  # with n > 1: every sample (this output is the first)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams(prompt_logprobs=N)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
+    num_cached_tokens: int | None = None  # vLLM's: prompt tokens the prefix cache held when it first ran
 
     @property
     def finished(self) -> bool:

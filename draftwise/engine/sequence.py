@@ -36,8 +36,10 @@ class Sequence:
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
         self._detokenizer = IncrementalDetokenizer.after(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._tokenizer = tokenizer
         self._text_end: int | None = None  # where a stop string cut the text
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it first ran
         self._streamed = 0  # characters of text already handed out as deltas
         self.metrics = RequestMetrics(len(prompt_token_ids), 0, time.perf_counter(), None, None, SpecMetrics())
 
@@ -49,6 +51,10 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def decode_token(self, token: int) -> str:
+        """A token's text alone, special tokens as written (a logprob's `decoded_token`)."""
+        return self._tokenizer.decode([token], skip_special_tokens=False)
 
     @property
     def end_token_ids(self) -> frozenset[int]:
@@ -152,7 +158,8 @@ class Sequence:
                              list(self.output_ids), self.finish_reason, self.metrics, error=self.error,
                              error_reason=self.error_reason,
                              logprobs=None if self.logprobs is None else list(self.logprobs),
-                             prompt_logprobs=self.prompt_logprobs, stop_reason=self.stop_reason)
+                             prompt_logprobs=self.prompt_logprobs, stop_reason=self.stop_reason,
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 def rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:

@@ -75,6 +75,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         prompt_kernels: bool | None = None,
         seed: int | None = None,
+        tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
         progress: bool = True,
     ) -> None:
         """enforce_eager (vLLM's name): every pass op by op, no CUDA graph or compiled step. step_mode:
@@ -92,8 +94,16 @@ class LLM:
         it (`RandomStream`): the same calls on LLMs built with the same seed give the same tokens. (vLLM
         seeds its worker's generators; here the stream is the LLM's own, whatever else the process
         draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before.
-        speculative_config: vLLM's name and form of `speculative` (`speculative.config.from_vllm`)."""
+        speculative_config: vLLM's name and form of `speculative` (`speculative.config.from_vllm`).
+        tensor_parallel_size (vLLM's name): 1 only; a model runs on one device here (more throughput
+        comes from replicas: `draftwise serve --replicas`). trust_remote_code (vLLM's name): taken as
+        vLLM scripts pass it; draftwise never runs code that comes with a model, so it changes nothing."""
         check_seed(seed)
+        if tensor_parallel_size != 1 or isinstance(tensor_parallel_size, bool):
+            raise InvalidParameterError(f"tensor_parallel_size {tensor_parallel_size!r}: draftwise runs a model on "
+                                        "one device (for more throughput, replicas: draftwise serve --replicas N)")
+        if not isinstance(trust_remote_code, bool):
+            raise InvalidParameterError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
         if speculative_config is not None:
             if speculative is not None:
                 raise InvalidParameterError("pass speculative or speculative_config (vLLM's name), not both")
@@ -287,7 +297,7 @@ class LLM:
         check_allowed_tokens(params, seq.bad_words_ids, seq.end_token_ids)
         if params.prompt_logprobs is not None:  # (a pass of its own over the prompt, before the request runs)
             with on_device(self.device):
-                seq.prompt_logprobs = prompt_logprobs(self.model, prompt_ids, params.prompt_logprobs)
+                seq.prompt_logprobs = prompt_logprobs(self.model, prompt_ids, params.prompt_logprobs, seq.decode_token)
         return seq
 
     @staticmethod

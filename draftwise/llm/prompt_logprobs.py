@@ -4,6 +4,8 @@ prompt's logits would be 1.2 GB at once). The first token has none (nothing pred
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from draftwise.engine.logprobs import token_logprobs
@@ -13,7 +15,8 @@ CHUNK = 256  # positions whose logits exist at once
 
 
 @torch.inference_mode()
-def prompt_logprobs(model, token_ids: list[int], top: int) -> list[dict[int, Logprob] | None]:
+def prompt_logprobs(model, token_ids: list[int], top: int,
+                    decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob] | None]:
     device = model.norm.weight.device
     tokens = torch.tensor([token_ids], device=device)  # [1, S]
     positions = torch.arange(len(token_ids), device=device)[None]  # [1, S]
@@ -22,5 +25,5 @@ def prompt_logprobs(model, token_ids: list[int], top: int) -> list[dict[int, Log
     for start in range(0, len(token_ids) - 1, CHUNK):
         stop = min(start + CHUNK, len(token_ids) - 1)
         logits = model.logits(hidden[0, start:stop])  # [n, V]: position p predicts token p + 1
-        result += token_logprobs(logits, token_ids[start + 1:stop + 1], top)
+        result += token_logprobs(logits, token_ids[start + 1:stop + 1], top, decode)
     return result

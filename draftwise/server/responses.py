@@ -84,7 +84,8 @@ def usage(prompts: list[RequestOutput], samples: list[RequestOutput] | None = No
     samples = samples or prompts
     prompt_tokens = sum(output.metrics.num_prompt_tokens for output in prompts)
     generated = sum(sample.metrics.num_generated_tokens for sample in samples)
-    body = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated,
+            "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens or 0 for output in prompts)}}
     spec = SpecMetrics()
     for sample in samples:
         if sample.metrics.spec is not None:
