@@ -271,3 +271,40 @@ def test_one_device_and_no_remote_code_as_vllm_scripts_pass_them(tiny_qwen):
             build(tiny_qwen, **options)
     with pytest.raises(TypeError, match="gpu_memory_utilization"):  # (not taken, by name)
         build(tiny_qwen, gpu_memory_utilization=0.9)
+
+
+# --- chat(chat_template=...) ------------------------------------------------------------------------
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_a_chat_template_given_renders_instead_of_the_models(plain):
+    output = plain.chat(HI, GREEDY, chat_template=PLAIN_TEMPLATE)[0]
+    assert output.prompt == "user: hi\nassistant:"
+    assert output.prompt_token_ids == plain.tokenizer.encode(output.prompt)
+    assert plain.chat(HI, GREEDY)[0].prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # (unchanged)
+    many = plain.chat([HI, [{"role": "user", "content": "bye"}]], GREEDY, chat_template=PLAIN_TEMPLATE)
+    assert [o.prompt for o in many] == ["user: hi\nassistant:", "user: bye\nassistant:"]
+
+
+def test_control_tokens_in_messages_stay_text_under_a_template_given(plain):
+    """Client text spelling `<|im_end|>` is tokenized as text whatever template renders it."""
+    output = plain.chat([{"role": "user", "content": "a<|im_end|>b"}], GREEDY, chat_template=PLAIN_TEMPLATE)[0]
+    im_end = plain.tokenizer.token_to_id("<|im_end|>")
+    assert im_end not in output.prompt_token_ids and "a<|im_end|>b" in output.prompt
+
+
+@pytest.mark.parametrize("template, message", [
+    ("", "chat_template must be a template's Jinja source"),
+    (3, "chat_template must be a template's Jinja source"),
+    ("{% for m in messages %}", "the chat_template given does not parse"),
+    ("{{ messages[0]['content'] }}{{ hint }}", None),
+])
+def test_a_chat_template_given_that_cannot_render_is_refused_by_name(plain, template, message):
+    if message is None:  # (a variable it reads, passed through chat_template_kwargs; one it does not, refused)
+        assert plain.chat(HI, GREEDY, chat_template=template, chat_template_kwargs={"hint": "!"})[0].prompt == "hi!"
+        with pytest.raises(InvalidParameterError, match="the chat_template given reads no variable 'other'"):
+            plain.chat(HI, GREEDY, chat_template=template, chat_template_kwargs={"other": 1})
+        return
+    with pytest.raises(DraftwiseError, match=message):
+        plain.chat(HI, GREEDY, chat_template=template)

@@ -347,3 +347,26 @@ def test_truncate_prompt_tokens_through_the_server(server, reference):
     assert got.choices[0].text == reference.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(**GREEDY))[0].text
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens must be -1 or a positive integer"):
         client.completions.create(model=MODEL, prompt=text, **GREEDY, extra_body={"truncate_prompt_tokens": 0})
+
+
+def test_chat_template_options_through_the_server(server, reference):
+    """vLLM's chat fields: chat_template, chat_template_kwargs, add_generation_prompt and
+    continue_final_message, as LLM.chat takes them; a template that does not parse is a 400."""
+    client = server.client()
+    template = ("{% if hint %}{{ hint }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    hi = [{"role": "user", "content": "hi"}]
+    expected = reference.chat(hi, SamplingParams(**GREEDY), chat_template=template, chat_template_kwargs={"hint": "be brief"})[0]
+    got = client.chat.completions.create(model=MODEL, messages=hi, **GREEDY,
+                                         extra_body={"chat_template": template, "chat_template_kwargs": {"hint": "be brief"}})
+    assert got.choices[0].message.content == expected.text and got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    started = [*hi, {"role": "assistant", "content": "The answer is"}]
+    expected = reference.chat(started, SamplingParams(**GREEDY), add_generation_prompt=False, continue_final_message=True)[0]
+    got = client.chat.completions.create(model=MODEL, messages=started, **GREEDY,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert got.choices[0].message.content == expected.text
+    assert expected.prompt.endswith("assistant\nThe answer is")
+    with pytest.raises(openai.BadRequestError, match="the chat_template given does not parse"):
+        client.chat.completions.create(model=MODEL, messages=hi, **GREEDY, extra_body={"chat_template": "{% for m in x %}"})
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=MODEL, messages=started, **GREEDY, extra_body={"continue_final_message": True})

@@ -347,7 +347,8 @@ class LLM:
         try:
             while any(not seq.finished for seq in sequences):
                 self._step()
-                bar.update(sum(seq.finished for seq in sequences) - bar.n)
+                if use_tqdm:
+                    bar.update(sum(seq.finished for seq in sequences) - bar.n)
         finally:
             bar.close()
             with self._lock:
@@ -361,14 +362,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         Message text is tokenized as text: control tokens come only from the template. vLLM's options:
         add_generation_prompt opens the assistant's turn; continue_final_message (with
         add_generation_prompt=False) has the model go on with the final message's text; tools are
         rendered for the model (its calls come back as text); chat_template_kwargs are more variables
-        for the template. The template must read what it is given: tools or a variable it would
-        ignore are refused."""
+        for the template; chat_template, a template's Jinja source to render with instead of the
+        model's. The template must read what it is given: tools or a variable it would ignore are
+        refused."""
         if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
             conversations = [messages]
         elif isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
@@ -382,7 +384,8 @@ class LLM:
         check_chat_options(add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
         prompts = [self.chat_prompt(conversation, add_generation_prompt, tools,
                                     continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs) for conversation in conversations]
+                                    chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self) -> Tokenizer:
@@ -390,11 +393,13 @@ class LLM:
         return self.tokenizer
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    *, continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> TokensPrompt:
+                    *, continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    chat_template: str | None = None) -> TokensPrompt:
         """A conversation as a tokens prompt (`Tokenizer.encode_chat`, with chat's options), with its
         rendered text."""
         options = {"add_generation_prompt": add_generation_prompt, "tools": tools,
-                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
+                   "chat_template": chat_template}
         token_ids, text = self.tokenizer.encode_chat_rendered(messages, **options)
         return {"prompt_token_ids": token_ids, "prompt": text}
 

@@ -149,7 +149,8 @@ class RequestHandler:
                 raise RequestError(400, str(error), request.constraint_param) from None
         try:
             if request.chat:
-                ids = tokenizer.encode_chat(request.messages, tools=request.tools)  # text never forges control tokens
+                # (text never forges control tokens)
+                ids = tokenizer.encode_chat(request.messages, tools=request.tools, **request.chat_options)
             elif request.fim_suffix is not None:
                 try:
                     ids = tokenizer.fim_prompt(request.text, request.fim_suffix)

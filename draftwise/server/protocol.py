@@ -107,6 +107,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's chat template options (`LLM.chat`'s)
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
     audio: dict | None = None
     function_call: StrictStr | dict | None = None
     functions: list[dict] | None = None

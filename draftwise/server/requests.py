@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from draftwise.errors import InvalidParameterError
+from draftwise.llm.requests import check_chat_options
 from draftwise.sampling.params import MAX_LOGPROBS, SamplingParams
 from draftwise.sampling.structured_params import StructuredOutputsParams
 from draftwise.server import DEFAULT_MAX_REQUEST_BYTES
@@ -96,6 +97,7 @@ class EngineRequest:
     method: str | None = None  # the drafter it runs with (metrics), None: plain
     echo: bool = False  # a completion's text starts with its prompt
     fim_suffix: str | None = None  # a completion's fill-in-the-middle suffix (the prompt is the prefix)
+    chat_options: dict = field(default_factory=dict)  # a chat's template options (`Tokenizer.encode_chat`'s)
 
     @property
     def prompt_param(self) -> str:
@@ -173,12 +175,14 @@ def _with_prompt(options: EngineRequest, body: CompletionRequest, prompt: str | 
 
 def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Served,
                  chat_template: str | None = None, tool_tags_are_tokens: bool = True) -> EngineRequest:
-    """chat_template: the model's (whether it knows the tool-call format); tool_tags_are_tokens:
-    `<tool_call>` is a special token of its vocabulary."""
+    """chat_template: the model's (whether it knows the tool-call format; the body's own, vLLM's
+    field, where it gives one); tool_tags_are_tokens: `<tool_call>` is a special token of its
+    vocabulary."""
     _refuse_unserved(body, {**_COMMON, **_CHAT})
+    chat_options = _chat_options(body)
     structure, field = _structure(body)
     try:
-        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, chat_template)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template or chat_template)
     except ToolRequestError as error:
         raise RequestError(400, str(error), error.param) from None
     if tools is not None:
@@ -190,11 +194,25 @@ def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Serv
     request = EngineRequest(params, _options(body, served), chat=True, constraint_param=field)
     request.messages = [_message(m, i) for i, m in enumerate(body.messages)]
     request.num_prompt_chars = sum(len(m["content"] or "") for m in request.messages)
+    request.chat_options = chat_options
     if tools is not None:
         request.tools, request.calls_tools = tools.tools, True
         request.num_prompt_chars += len(json.dumps(tools.tools))
     request.method = _method(request.options, served)
     return request
+
+
+def _chat_options(body: ChatCompletionRequest) -> dict:
+    """The body's chat template options (vLLM's fields), checked as `LLM.chat` checks them."""
+    options = {"chat_template_kwargs": body.chat_template_kwargs, "chat_template": body.chat_template,
+               "add_generation_prompt": True if body.add_generation_prompt is None else body.add_generation_prompt,
+               "continue_final_message": bool(body.continue_final_message)}
+    try:
+        check_chat_options(options["add_generation_prompt"], options["continue_final_message"], None,
+                           body.chat_template_kwargs)
+    except InvalidParameterError as error:
+        raise RequestError(400, str(error), _param_named(str(error))) from None
+    return options
 
 
 def _structure(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -63,9 +63,12 @@ def _strftime_now(format: str) -> str:
 class ChatTemplate:
     """One model's template, compiled on first use (a broken template must not stop plain generation)."""
 
-    def __init__(self, source: str, model_name: str, bos_token: str | None, eos_token: str | None) -> None:
+    def __init__(self, source: str, model_name: str, bos_token: str | None, eos_token: str | None,
+                 described: str | None = None) -> None:
+        """described: how errors name it (default: the chat template of the model)."""
         self.source = source
         self.model_name = model_name
+        self.described = described or f"the chat template of {model_name!r}"
         self._token_variables = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._compiled: Template | None = None
 
@@ -90,24 +93,24 @@ class ChatTemplate:
         try:
             return self._compile().render(messages=messages, **self._token_variables, **variables)
         except _TemplateRefusal as refusal:
-            raise ChatTemplateError(f"the chat template of {self.model_name!r} refused the conversation: "
+            raise ChatTemplateError(f"{self.described} refused the conversation: "
                                     f"{refusal}") from None
         except Exception as error:  # anything the template trips on is the conversation's or the template's fault
-            raise ChatTemplateError(f"the chat template of {self.model_name!r} failed{_template_line(error)}: "
+            raise ChatTemplateError(f"{self.described} failed{_template_line(error)}: "
                                     f"{type(error).__name__}: {error}") from None
 
     def _check_variables(self, tools: list[dict] | None, variables: dict) -> None:
         """Tools and variables only where the template reads them: a template that never names one
         would render as if it were not there, and the caller would never know."""
         if tools and "tools" not in self._read_variables:
-            raise InvalidParameterError(f"tools: the chat template of {self.model_name!r} does not render tools")
+            raise InvalidParameterError(f"tools: {self.described} does not render tools")
         for name in variables:
             if name in self._set_variables:
                 raise InvalidParameterError(f"chat_template_kwargs[{name!r}]: draftwise sets {name!r} itself"
                                             + (" (pass it as chat's own argument)" if name in CHAT_ARGUMENTS else ""))
             if name not in self._read_variables:
-                raise InvalidParameterError(f"chat_template_kwargs[{name!r}]: the chat template of "
-                                            f"{self.model_name!r} reads no variable {name!r}")
+                raise InvalidParameterError(f"chat_template_kwargs[{name!r}]: {self.described} "
+                                            f"reads no variable {name!r}")
 
     def _cut_after_final_message(self, text: str, messages: list[dict], render) -> str:
         """The rendering up to the end of the final message's text, its trailing whitespace kept only
@@ -125,7 +128,7 @@ class ChatTemplate:
                 return text[:end]
         start = text.rfind(final.strip())
         if start < 0:
-            raise InvalidParameterError(f"continue_final_message: the chat template of {self.model_name!r} does "
+            raise InvalidParameterError(f"continue_final_message: {self.described} does "
                                         "not write the final message's text as it is, so it cannot be continued")
         kept = final.lstrip()
         end = start + (len(kept) if text.startswith(kept, start) else len(final.strip()))
@@ -152,7 +155,7 @@ class ChatTemplate:
             try:
                 self._compiled = environment.from_string(self.source)
             except TemplateSyntaxError as error:
-                raise ChatTemplateError(f"the chat template of {self.model_name!r} does not parse "
+                raise ChatTemplateError(f"{self.described} does not parse "
                                         f"(line {error.lineno}): {error.message}") from None
         return self._compiled
 

@@ -16,6 +16,7 @@ from draftwise.errors import ChatTemplateError, InvalidParameterError, ModelForm
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # fill-in-the-middle's markers
 # Control tokens that end a turn in common chat formats; they end generation like EOS does.
+MAX_GIVEN_TEMPLATES = 8  # chat_template sources passed in, kept compiled (the oldest goes first)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>",
                       "<end_of_turn>")
 
@@ -43,6 +44,8 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self._chat_template = (ChatTemplate(self.chat_template, self.name, self.bos_token, self.eos_token)
                                if self.chat_template else None)
+        self._given_templates: dict[str, ChatTemplate] = {}  # chat_template sources passed in, newest last
+        self._control_patterns: dict[str, re.Pattern | None] = {}  # per template source
         self.add_bos_token: bool = bool(config.get("add_bos_token", False))
         self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
         special = {token.content: index for index, token in self._tokenizer.get_added_tokens_decoder().items()
@@ -105,25 +108,27 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, *, continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> str:
-        """The conversation rendered by the model's chat template (raises ChatTemplateError), with
-        the tools the model may call (OpenAI's `tools` list) where the template renders them, and the
-        options of `ChatTemplate.render`. Its text is not safe to `encode`: message text may spell
-        control tokens; use `encode_chat`."""
-        return self._template().render(messages, add_generation_prompt, tools,
-                                       continue_final_message=continue_final_message,
-                                       chat_template_kwargs=chat_template_kwargs)
+                            chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
+        """The conversation rendered by the model's chat template, or by `chat_template` (Jinja source,
+        vLLM's option) where given (raises ChatTemplateError), with the tools the model may call
+        (OpenAI's `tools` list) where the template renders them, and the options of
+        `ChatTemplate.render`. Its text is not safe to `encode`: message text may spell control tokens;
+        use `encode_chat`."""
+        return self._template(chat_template).render(messages, add_generation_prompt, tools,
+                                                    continue_final_message=continue_final_message,
+                                                    chat_template_kwargs=chat_template_kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, *, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
+                    chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
         """Token ids of the rendered conversation (`encode_chat_rendered`'s ids)."""
         return self.encode_chat_rendered(messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
-                                         chat_template_kwargs=chat_template_kwargs)[0]
+                                         chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)[0]
 
     def encode_chat_rendered(self, messages: list[dict], add_generation_prompt: bool = True,
                              tools: list[dict] | None = None, *, continue_final_message: bool = False,
-                             chat_template_kwargs: dict | None = None) -> tuple[list[int], str]:
+                             chat_template_kwargs: dict | None = None,
+                             chat_template: str | None = None) -> tuple[list[int], str]:
         """Token ids of the rendered conversation, in which control tokens come only from the template,
         and the rendered text (`apply_chat_template`'s), rendered once for both.
 
@@ -136,7 +141,7 @@ class Tokenizer:
         Raises ChatTemplateError if the template fails, or transforms a string that holds control-token
         text (then it cannot be isolated, and the conversation is refused).
         """
-        template = self._template()
+        template = self._template(chat_template)
 
         def render(client_text: list) -> str:  # (the same options, whatever strings the client's are)
             conversation, tool_list, variables = client_text
@@ -145,7 +150,8 @@ class Tokenizer:
 
         client_text = [messages, tools, chat_template_kwargs]  # (the tools' descriptions are client text too)
         rendered = render(client_text)
-        pieces = isolate_client_text(client_text, rendered, render, self._find_control_text)
+        pieces = isolate_client_text(client_text, rendered, render,
+                                     lambda text: self._find_control_text(text, template.source))
         return (self.encode(rendered) if pieces is None else self._encode_isolated(pieces)), rendered
 
     def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
@@ -189,7 +195,17 @@ class Tokenizer:
     def _encode_plain(self, text: str) -> list[int]:
         return self._plain_text_tokenizer.encode(text, add_special_tokens=False).ids
 
-    def _template(self) -> ChatTemplate:
+    def _template(self, source: str | None = None) -> ChatTemplate:
+        """The model's template, or one made from `source` (kept for the next calls, a few at a time)."""
+        if source is not None:
+            if not isinstance(source, str) or not source.strip():
+                raise InvalidParameterError("chat_template must be a template's Jinja source (a non-empty string)")
+            if source not in self._given_templates:
+                if len(self._given_templates) >= MAX_GIVEN_TEMPLATES:
+                    self._given_templates.pop(next(iter(self._given_templates)), None)
+                self._given_templates[source] = ChatTemplate(source, self.name, self.bos_token, self.eos_token,
+                                                             described="the chat_template given")
+            return self._given_templates[source]
         if self._chat_template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template (none in chat_template.jinja, tokenizer_config.json "
@@ -200,27 +216,31 @@ class Tokenizer:
     def _added_token_ids(self) -> frozenset[int]:
         return frozenset(self._tokenizer.get_added_tokens_decoder())
 
-    @cached_property
-    def _control_text_pattern(self) -> re.Pattern | None:
+    def _control_text_pattern(self, template: str) -> re.Pattern | None:
         """Matches the text of every control token: a special added token, or a non-special one the
-        chat template itself writes (Qwen's `<tool_call>`: it can steer a model as much as `<|im_end|>`).
-        Other non-special added tokens are ordinary vocabulary (Gemma's runs of newlines and spaces,
-        its `<code>`, `<h1>`: plain `encode` matches them in any text, as the model was trained), and
-        whitespace never forges a turn."""
-        template = self.chat_template or ""
-        texts = sorted({token.content for token in self._tokenizer.get_added_tokens_decoder().values()
-                        if token.content.strip() and (token.special or token.content in template)},
-                       key=len, reverse=True)
-        return re.compile("|".join(map(re.escape, texts))) if texts else None
+        chat template (its source `template`) itself writes (Qwen's `<tool_call>`: it can steer a model
+        as much as `<|im_end|>`). Other non-special added tokens are ordinary vocabulary (Gemma's runs
+        of newlines and spaces, its `<code>`, `<h1>`: plain `encode` matches them in any text, as the
+        model was trained), and whitespace never forges a turn."""
+        if template not in self._control_patterns:
+            texts = sorted({token.content for token in self._tokenizer.get_added_tokens_decoder().values()
+                            if token.content.strip() and (token.special or token.content in template)},
+                           key=len, reverse=True)
+            if len(self._control_patterns) > MAX_GIVEN_TEMPLATES:
+                self._control_patterns.pop(next(iter(self._control_patterns)), None)
+            self._control_patterns[template] = re.compile("|".join(map(re.escape, texts))) if texts else None
+        return self._control_patterns[template]
 
-    def _find_control_text(self, text: str) -> str | None:
-        """The first added token's text in `text`, as written or after the tokenizer's normalizer
-        (tokens marked `normalized` are matched on normalized text)."""
-        if self._control_text_pattern is None:
+    def _find_control_text(self, text: str, template: str | None = None) -> str | None:
+        """The first control token's text (`_control_text_pattern` of the template source `template`,
+        the model's by default) in `text`, as written or after the tokenizer's normalizer (tokens marked
+        `normalized` are matched on normalized text)."""
+        pattern = self._control_text_pattern((self.chat_template or "") if template is None else template)
+        if pattern is None:
             return None
         normalizer = self._tokenizer.normalizer
         for candidate in (text, normalizer.normalize_str(text) if normalizer is not None else text):
-            match = self._control_text_pattern.search(candidate)
+            match = pattern.search(candidate)
             if match:
                 return match.group()
         return None
