@@ -109,7 +109,8 @@ class DeadPositions:
     """Constrained row (a grammar, or allowed_token_ids) -> the first position of its pass where every
     token is excluded, its grammar's mask and the request's own exclusions together (allowed_token_ids,
     bad_words, min_tokens' ban on ending, logit_bias of -inf): nothing may be emitted there. Computed
-    on the logits' device when built, read back on the first `get` (after verification's own host sync, so the step waits on the device once)."""
+    on the logits' device when built, read back on the first `get` (after verification's own host
+    sync, so the step waits on the device once)."""
 
     def __init__(self, batch: list[Sequence], logits: torch.Tensor) -> None:
         """logits [B, K+1, V], masked and processed."""

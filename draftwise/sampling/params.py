@@ -46,7 +46,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
     logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the N most likely
-    truncate_prompt_tokens: int | None = None  # k: only the prompt's last k tokens are read (-1: what leaves room for max_tokens)
+    # k: only the prompt's last k tokens are read (-1: as many as leave room for max_tokens)
+    truncate_prompt_tokens: int | None = None
     n: int = 1  # samples returned per prompt
     best_of: int | None = None  # samples generated per prompt (>= n), the n most likely returned
 

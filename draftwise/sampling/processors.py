@@ -1,9 +1,10 @@
-"""Logits processors: what a request's penalties, logit bias, min_tokens and bad words do to the
-target's logits at a position, given the tokens before it. vLLM's semantics and order: allowed_token_ids
-keeps only its tokens, min_tokens and bad words ban tokens, logit_bias adds, then the penalties (repetition: prompt and output tokens,
-a positive logit divided by r and a negative one multiplied; frequency and presence: output tokens,
-minus frequency x count and presence x [count > 0]); temperature, min_p, top-k and top-p follow in
-`sampler.warp_logits`. Greedy decoding takes the argmax of the processed logits.
+"""Logits processors: what a request's allowed tokens, penalties, logit bias, min_tokens and bad
+words do to the target's logits at a position, given the tokens before it. vLLM's semantics and
+order: allowed_token_ids keeps only its tokens, min_tokens and bad words ban tokens, logit_bias adds,
+then the penalties (repetition: prompt and output tokens, a positive logit divided by r and a
+negative one multiplied; frequency and presence: output tokens, minus frequency x count and
+presence x [count > 0]); temperature, min_p, top-k and top-p follow in `sampler.warp_logits`.
+Greedy decoding takes the argmax of the processed logits.
 
 Speculation verifies k drafted tokens in one pass: position i of a row must be processed as plain
 decoding would process it, i.e. with the committed tokens *and the draft's first i tokens* as its
