@@ -175,14 +175,13 @@ def _with_prompt(options: EngineRequest, body: CompletionRequest, prompt: str | 
 
 def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Served,
                  chat_template: str | None = None, tool_tags_are_tokens: bool = True) -> EngineRequest:
-    """chat_template: the model's (whether it knows the tool-call format; the body's own, vLLM's
-    field, where it gives one); tool_tags_are_tokens: `<tool_call>` is a special token of its
-    vocabulary."""
+    """chat_template: the model's (whether it knows the tool-call format); tool_tags_are_tokens:
+    `<tool_call>` is a special token of its vocabulary."""
     _refuse_unserved(body, {**_COMMON, **_CHAT})
     chat_options = _chat_options(body)
     structure, field = _structure(body)
     try:
-        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template or chat_template)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, chat_template)
     except ToolRequestError as error:
         raise RequestError(400, str(error), error.param) from None
     if tools is not None:
@@ -203,8 +202,16 @@ def chat_request(body: ChatCompletionRequest, limits: ServerLimits, served: Serv
 
 
 def _chat_options(body: ChatCompletionRequest) -> dict:
-    """The body's chat template options (vLLM's fields), checked as `LLM.chat` checks them."""
-    options = {"chat_template_kwargs": body.chat_template_kwargs, "chat_template": body.chat_template,
+    """The body's chat template options (vLLM's fields), checked as `LLM.chat` checks them. A template
+    of the client's own is refused: it would run on the server, and a sandboxed Jinja template can
+    still spend the server's memory and time (`'x' * 10**9`); vLLM too takes one only from a server
+    started to trust them."""
+    if body.chat_template is not None:
+        raise RequestError(400, "chat_template is not taken from requests (a client's template would run on the "
+                           "server); the model's template renders every chat, with chat_template_kwargs, "
+                           "add_generation_prompt and continue_final_message", "chat_template",
+                           "unsupported_parameter")
+    options = {"chat_template_kwargs": body.chat_template_kwargs,
                "add_generation_prompt": True if body.add_generation_prompt is None else body.add_generation_prompt,
                "continue_final_message": bool(body.continue_final_message)}
     try:
