@@ -321,11 +321,11 @@ class Engine:
             self._hand_states(batch, lengths, result.hidden, kept)
         for b, (seq, tokens, accepted, drafted, skip, draft) in enumerate(zip(batch, output_ids, num_accepted,
                                                                               num_draft, skipped, drafts)):
-            emitted, unsatisfiable = tokens[:accepted + 1], None
+            emitted, unsatisfiable, nothing_at = tokens[:accepted + 1], None, dead.get(b)
             if seq.grammar is not None:
-                emitted, unsatisfiable = self._on_grammar(answer_tokens, seq, emitted, dead.get(b))
-            elif dead.get(b) is not None and dead.get(b) < len(emitted):  # (allowed_token_ids, all banned)
-                emitted, unsatisfiable = emitted[:dead.get(b)], nothing_allowed(seq, dead.get(b))
+                emitted, unsatisfiable = self._on_grammar(answer_tokens, seq, emitted, nothing_at)
+            elif nothing_at is not None and nothing_at < len(emitted):  # (allowed_token_ids, all banned)
+                emitted, unsatisfiable = emitted[:nothing_at], nothing_allowed(seq, nothing_at)
             committed = seq.append(emitted)
             if seq.logprobs is not None:
                 seq.logprobs += token_logprobs(raw_logits[b], seq.output_ids[len(seq.output_ids) - committed:],

@@ -36,7 +36,6 @@ class Sequence:
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
         self._detokenizer = IncrementalDetokenizer.after(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self._tokenizer = tokenizer
         self._text_end: int | None = None  # where a stop string cut the text
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it first ran
@@ -54,7 +53,7 @@ class Sequence:
 
     def decode_token(self, token: int) -> str:
         """A token's text alone, special tokens as written (a logprob's `decoded_token`)."""
-        return self._tokenizer.decode([token], skip_special_tokens=False)
+        return self._detokenizer.tokenizer.decode([token], skip_special_tokens=False)
 
     @property
     def end_token_ids(self) -> frozenset[int]:

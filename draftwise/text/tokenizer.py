@@ -200,12 +200,8 @@ class Tokenizer:
         if source is not None:
             if not isinstance(source, str) or not source.strip():
                 raise InvalidParameterError("chat_template must be a template's Jinja source (a non-empty string)")
-            if source not in self._given_templates:
-                if len(self._given_templates) >= MAX_GIVEN_TEMPLATES:
-                    self._given_templates.pop(next(iter(self._given_templates)), None)
-                self._given_templates[source] = ChatTemplate(source, self.name, self.bos_token, self.eos_token,
-                                                             described="the chat_template given")
-            return self._given_templates[source]
+            return _remembered(self._given_templates, source, lambda: ChatTemplate(
+                source, self.name, self.bos_token, self.eos_token, described="the chat_template given"))
         if self._chat_template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template (none in chat_template.jinja, tokenizer_config.json "
@@ -222,14 +218,13 @@ class Tokenizer:
         as much as `<|im_end|>`). Other non-special added tokens are ordinary vocabulary (Gemma's runs
         of newlines and spaces, its `<code>`, `<h1>`: plain `encode` matches them in any text, as the
         model was trained), and whitespace never forges a turn."""
-        if template not in self._control_patterns:
+        def pattern() -> re.Pattern | None:
             texts = sorted({token.content for token in self._tokenizer.get_added_tokens_decoder().values()
                             if token.content.strip() and (token.special or token.content in template)},
                            key=len, reverse=True)
-            if len(self._control_patterns) > MAX_GIVEN_TEMPLATES:
-                self._control_patterns.pop(next(iter(self._control_patterns)), None)
-            self._control_patterns[template] = re.compile("|".join(map(re.escape, texts))) if texts else None
-        return self._control_patterns[template]
+            return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+        return _remembered(self._control_patterns, template, pattern)
 
     def _find_control_text(self, text: str, template: str | None = None) -> str | None:
         """The first control token's text (`_control_text_pattern` of the template source `template`,
@@ -256,6 +251,15 @@ class Tokenizer:
         plain = HFTokenizer.from_str(json.dumps(data))
         plain.encode_special_tokens = True
         return plain
+
+
+def _remembered(cache: dict, key, make):
+    """cache[key], made now if absent; the cache keeps MAX_GIVEN_TEMPLATES entries (the oldest goes)."""
+    if key not in cache:
+        if len(cache) >= MAX_GIVEN_TEMPLATES:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = make()
+    return cache[key]
 
 
 def _byte_to_unicode() -> dict[int, str]:
