@@ -20,6 +20,9 @@ def add_parser(commands) -> None:
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--stop", action="append", help="stop string (repeatable)")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--chat-template", default=None,
+                          help="with --chat: this template instead of the model's (a Jinja file's path, or the "
+                               "template itself on one line; vLLM's flag)")
     add_model_arguments(generate)
     generate.set_defaults(run=run)
 
@@ -28,6 +31,11 @@ def run(args: argparse.Namespace) -> None:
     from draftwise.llm import LLM
     from draftwise.sampling.params import SamplingParams
 
+    from draftwise.text.chat_template import read_chat_template
+
+    if args.chat_template is not None and not args.chat:
+        raise InvalidParameterError("--chat-template renders chats: give --chat too")
+    template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None)
     if args.draft_probability is not None and args.draft_probability < 1 and (params.greedy or args.seed is not None):
@@ -35,6 +43,8 @@ def run(args: argparse.Namespace) -> None:
                                     "seeded ones are verified by equality, where it changes nothing): give "
                                     "--temperature > 0 and no --seed, or drop it")
     llm = LLM(args.model, max_num_seqs=1, speculative=speculative_from_args(args), **model_keywords(args))
+    if template is not None:
+        llm.tokenizer.use_chat_template(template)
     prompt = args.prompt
     if args.chat:
         prompt = llm.chat_prompt([{"role": "user", "content": prompt}])

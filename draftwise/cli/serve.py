@@ -31,6 +31,9 @@ def add_parser(commands) -> None:
     serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
+    serve.add_argument("--chat-template", default=None,
+                       help="render chats with this template instead of the model's (a Jinja file's path, or the "
+                            "template itself on one line; vLLM's flag)")
     serve.add_argument("--seed", type=int, default=None,
                        help="seed of the engine's random stream (vLLM's --seed): requests without a seed of their own "
                             "draw from it, so the same requests in the same order give the same tokens again")
@@ -69,6 +72,10 @@ def run(args: argparse.Namespace) -> None:
 
 
 def check_server_arguments(args: argparse.Namespace) -> None:
+    if args.chat_template is not None:
+        from draftwise.text.chat_template import read_chat_template
+
+        read_chat_template(args.chat_template)  # (a missing file said before any model loads)
     if args.max_request_bytes < 1024 or args.drain_timeout < 0:
         raise InvalidParameterError("--max-request-bytes must be at least 1024 and --drain-timeout >= 0")
     if args.replicas is not None and (args.replicas < 1 or args.threads_per_replica < 1):
@@ -102,6 +109,10 @@ def build_server(args: argparse.Namespace, announce: bool = True, replica: bool 
     llm = LLM(args.model, **model_keywords(args),
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kv_cache_memory_bytes=kv_bytes,
               speculative=speculative_from_args(args, methods), seed=args.seed)
+    if args.chat_template is not None:
+        from draftwise.text.chat_template import read_chat_template
+
+        llm.tokenizer.use_chat_template(read_chat_template(args.chat_template))
     given = given_options(args)  # (the drafter options given apply to the per-request drafters taking them)
     for method in methods:  # built (and their costs measured) now: no request waits for a build
         try:

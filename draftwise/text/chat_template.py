@@ -28,6 +28,28 @@ FINAL_MARKER = "\x00draftwise:final-message\x00"  # (stands in for a continued m
 CHAT_ARGUMENTS = ("messages", "tools", "add_generation_prompt")  # what every rendering passes the template
 
 
+def read_chat_template(value: str) -> str:
+    """A `--chat-template` value as vLLM reads it: a file's path (its text), or the template itself on
+    one line (escapes such as \\n read as the characters they stand for). A value with no Jinja or
+    line-break characters that names no readable file is refused as the path it looks like."""
+    try:
+        source = Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InvalidParameterError(f"--chat-template {value}: not a UTF-8 text file") from None
+    except (OSError, ValueError) as error:  # (ValueError: a NUL in the value)
+        if not any(c in value for c in "{}\n"):
+            reason = getattr(error, "strerror", None) or str(error)
+            raise InvalidParameterError(f"--chat-template {value!r} looks like a file's path, but it cannot be "
+                                        f"read ({reason})") from None
+        try:  # (characters beyond Latin-1 pass through as escapes of their own)
+            source = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as escape:
+            raise InvalidParameterError(f"--chat-template: a bad escape in the template given ({escape.reason})") from None
+    if not source.strip():
+        raise InvalidParameterError(f"--chat-template {value!r}: the template is empty")
+    return source
+
+
 def find_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     """The folder's chat template: `chat_template.jinja` wins over `tokenizer_config.json`'s
     `chat_template`, which is a string or a list of `{"name", "template"}` (the "default" one is used).
@@ -144,6 +166,10 @@ class ChatTemplate:
     def _set_variables(self) -> frozenset[str]:
         """What rendering sets: the conversation, the tokens and the environment's functions."""
         return frozenset({*CHAT_ARGUMENTS, *self._token_variables, *self._compile().environment.globals})
+
+    def check_syntax(self) -> None:
+        """Raise ChatTemplateError now if the source does not parse (otherwise: at the first chat)."""
+        self._compile()
 
     def _compile(self) -> Template:
         if self._compiled is None:

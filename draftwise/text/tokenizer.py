@@ -106,6 +106,14 @@ class Tokenizer:
         decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
         return decoder.get("type") == "ByteLevel"
 
+    def use_chat_template(self, source: str, described: str = "--chat-template") -> None:
+        """Render every chat with this template (Jinja source) instead of the model's own: a server's
+        `--chat-template` (vLLM's flag), for a model without one or with one to replace. Compiled
+        here, so that a template that does not parse is refused before it serves anyone."""
+        template = ChatTemplate(source, self.name, self.bos_token, self.eos_token, described=described)
+        template.check_syntax()
+        self.chat_template, self._chat_template = source, template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, *, continue_final_message: bool = False,
                             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
