@@ -4,6 +4,7 @@ vocabulary, which means no cut."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -308,3 +309,74 @@ def test_a_chat_template_given_that_cannot_render_is_refused_by_name(plain, temp
         return
     with pytest.raises(DraftwiseError, match=message):
         plain.chat(HI, GREEDY, chat_template=template)
+
+
+# --- detokenize, guided_decoding ------------------------------------------------------------------
+def test_detokenize_false_gives_the_same_token_ids_and_no_text(plain):
+    with_text = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
+                                                       prompt_logprobs=1))
+    ids_only = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
+                                                      prompt_logprobs=1, detokenize=False))
+    for a, b in zip(with_text, ids_only):
+        assert a.token_ids == b.token_ids and a.text and b.text == ""
+        assert [{t: lp.logprob for t, lp in p.items()} for p in a.logprobs] == \
+            [{t: lp.logprob for t, lp in p.items()} for p in b.logprobs]
+        assert all(lp.decoded_token is None for p in b.logprobs for lp in p.values())
+        assert all(lp.decoded_token is not None for p in a.logprobs for lp in p.values())
+        assert all(lp.decoded_token is None for p in b.prompt_logprobs if p for lp in p.values())
+    deltas = list(plain.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                          detokenize=False)))
+    assert all(d.text == "" for d in deltas) and deltas[-1].token_ids == with_text[0].token_ids
+
+
+def test_detokenize_false_refuses_stop_strings_and_takes_only_bools():
+    with pytest.raises(InvalidParameterError, match="stop strings are looked for in the text.*stop_token_ids"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    with pytest.raises(InvalidParameterError, match="detokenize must be true or false"):
+        SamplingParams(detokenize="no")
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).stop_token_ids == [3]
+
+
+def test_guided_decoding_is_vllms_older_name_for_structured_outputs(plain):
+    from draftwise import GuidedDecodingParams, StructuredOutputsParams
+
+    choice = ["alpha", "beta gamma"]
+    old = SamplingParams(temperature=0, max_tokens=32, guided_decoding=GuidedDecodingParams(choice=choice))
+    new = SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(choice=choice))
+    as_dict = SamplingParams(temperature=0, max_tokens=32, guided_decoding={"choice": choice})
+    assert old.structured_outputs == new.structured_outputs == as_dict.structured_outputs
+    assert old.guided_decoding is None  # (moved: read it back as structured_outputs)
+    outputs = plain.generate(PROMPTS, [old, new, as_dict])
+    assert outputs[0].text in choice and outputs[1].text in choice and outputs[2].text in choice
+    assert plain.generate(PROMPTS[0], new)[0].token_ids == outputs[0].token_ids
+    with pytest.raises(InvalidParameterError, match="structured_outputs or guided_decoding .vLLM's older name., not both"):
+        SamplingParams(structured_outputs={"choice": choice}, guided_decoding={"choice": choice})
+
+
+# --- logprobs=-1 and LLM(max_logprobs=) ------------------------------------------------------------
+def test_more_logprobs_than_max_logprobs_are_refused_naming_the_cap(plain):
+    for fields in ({"logprobs": 21}, {"prompt_logprobs": -1}, {"logprobs": -1}):
+        with pytest.raises(InvalidParameterError, match=r"asks for more than this LLM's max_logprobs=20 .LLM.max_logprobs"):
+            plain.generate("hi", SamplingParams(max_tokens=1, **fields))
+    assert len(plain.generate("hi", SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0]) >= 20
+    for value in (-2, 1.5, True):
+        with pytest.raises(InvalidParameterError, match="max_logprobs must be an integer >= 0, or -1"):
+            LLM("unused", max_logprobs=value)
+
+
+def test_logprobs_minus_one_lists_the_whole_vocabulary(tiny_qwen):
+    llm = build(tiny_qwen, max_logprobs=-1)
+    vocab = llm.model.config.vocab_size
+    every = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=-1,
+                                                    prompt_logprobs=-1))[0]
+    few = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=3,
+                                                  prompt_logprobs=3))[0]
+    assert every.token_ids == few.token_ids
+    for whole, top in [*zip(every.logprobs, few.logprobs), *zip(every.prompt_logprobs[1:], few.prompt_logprobs[1:])]:
+        assert len(whole) == vocab and set(whole) == set(range(vocab))
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in whole.values()), 1.0, rel_tol=1e-4)
+        assert {t: (lp.logprob, lp.rank) for t, lp in top.items()} == \
+            {t: (whole[t].logprob, whole[t].rank) for t in top}  # (the top 3 and the chosen, as listed alone)
+        assert sorted(lp.rank for lp in whole.values())[:3] == [1, 2, 3]
+    token = every.token_ids[0]
+    assert every.logprobs[0][token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)

@@ -15,9 +15,10 @@ from draftwise.engine.outputs import Logprob
 def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top: int,
                    decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
     """raw_logits [n, V] at the positions that produced token_ids [n] -> per token {id: Logprob} for
-    it and the `top` most likely, each with its text from `decode` (token id -> text)."""
+    it and the `top` most likely (-1: all V), each with its text from `decode` (token id -> text)."""
     if not token_ids:
         return []
+    top = raw_logits.shape[-1] if top == -1 else min(top, raw_logits.shape[-1])
     logprobs = torch.log_softmax(raw_logits[:len(token_ids)].float(), dim=-1)  # [n, V]
     chosen = torch.tensor(token_ids, device=logprobs.device)
     chosen_logprobs = logprobs.gather(-1, chosen[:, None])  # [n, 1]

@@ -35,7 +35,8 @@ class Sequence:
         self._eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._max_new = min(params.max_tokens or max_len, max_len - len(prompt_token_ids))
-        self._detokenizer = IncrementalDetokenizer.after(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._detokenizer = (IncrementalDetokenizer.after(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                             if params.detokenize else NoText(tokenizer))
         self._text_end: int | None = None  # where a stop string cut the text
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when it first ran
@@ -51,9 +52,12 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def decode_token(self, token: int) -> str:
-        """A token's text alone, special tokens as written (a logprob's `decoded_token`)."""
-        return self._detokenizer.tokenizer.decode([token], skip_special_tokens=False)
+    def decode_token(self, token: int) -> str | None:
+        """A token's text alone, special tokens as written (a logprob's `decoded_token`; None under
+        detokenize=False, as vLLM leaves it)."""
+        if not self.params.detokenize:
+            return None
+        return self._detokenizer.tokenizer.token_text(token)
 
     @property
     def end_token_ids(self) -> frozenset[int]:
@@ -159,6 +163,20 @@ class Sequence:
                              logprobs=None if self.logprobs is None else list(self.logprobs),
                              prompt_logprobs=self.prompt_logprobs, stop_reason=self.stop_reason,
                              num_cached_tokens=self.num_cached_tokens)
+
+
+class NoText:
+    """The detokenizer of a request made with detokenize=False: its tokens make no text."""
+    text = ""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def add(self, new_token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 def rows_by_method(batch: list[Sequence]) -> dict[str, list[int]]:

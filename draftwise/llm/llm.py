@@ -26,13 +26,13 @@ from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.random_stream import RandomStream
 from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_allowed_tokens, check_chat_options,
-                                    check_max_tokens_fit, check_messages, check_prompt_ids, prompt_parts,
+                                    check_logprobs_asked, check_max_tokens_fit, check_messages, check_prompt_ids, prompt_parts,
                                     request_speculation, truncated, without_idle_top_k)
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
-from draftwise.sampling.params import SamplingParams, check_seed
+from draftwise.sampling.params import MAX_LOGPROBS, SamplingParams, check_seed
 from draftwise.sampling.processors import bad_word_ids
 from draftwise.speculative.config import SpeculativeConfig, from_vllm
 from draftwise.speculative.control.cost_model import CostModel
@@ -75,6 +75,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         prompt_kernels: bool | None = None,
         seed: int | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
         progress: bool = True,
@@ -95,10 +96,15 @@ class LLM:
         seeds its worker's generators; here the stream is the LLM's own, whatever else the process
         draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before.
         speculative_config: vLLM's name and form of `speculative` (`speculative.config.from_vllm`).
+        max_logprobs (vLLM's name): the most logprobs or prompt_logprobs a request may ask for (-1: no
+        cap, so a request's -1, every token of the vocabulary at each position, is taken).
         tensor_parallel_size (vLLM's name): 1 only; a model runs on one device here (more throughput
         comes from replicas: `draftwise serve --replicas`). trust_remote_code (vLLM's name): taken as
         vLLM scripts pass it; draftwise never runs code that comes with a model, so it changes nothing."""
         check_seed(seed)
+        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+            raise InvalidParameterError(f"max_logprobs must be an integer >= 0, or -1 for no cap, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         if tensor_parallel_size != 1 or isinstance(tensor_parallel_size, bool):
             raise InvalidParameterError(f"tensor_parallel_size {tensor_parallel_size!r}: draftwise runs a model on "
                                         "one device (for more throughput, replicas: draftwise serve --replicas N)")
@@ -281,6 +287,7 @@ class LLM:
         prompt_ids = truncated(prompt_ids, params, self.max_model_len)
         check_prompt_ids(prompt_ids, self.max_model_len)
         check_against_vocabulary(prompt_ids, params, self.model.config.vocab_size)
+        check_logprobs_asked(params, self.max_logprobs, self.model.config.vocab_size)
         params = without_idle_top_k(params, self.model.config.vocab_size)
         for name, label in (("segment", segment), ("tenant", tenant)):
             if label is not None and not isinstance(label, str):

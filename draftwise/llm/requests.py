@@ -79,6 +79,16 @@ def check_against_vocabulary(prompt_ids: list[int], params: SamplingParams, voca
         raise InvalidParameterError(f"allowed_token_ids hold an id >= the vocabulary's {vocab_size}")
 
 
+def check_logprobs_asked(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """logprobs and prompt_logprobs within the LLM's max_logprobs (-1, on either side: the vocabulary)."""
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and (vocab_size if asked == -1 else asked) > cap:
+            raise InvalidParameterError(f"{name}={asked} asks for more than this LLM's max_logprobs={max_logprobs} "
+                                        "(LLM(max_logprobs=N) raises it; -1 lets a request ask for every token)")
+
+
 def check_allowed_tokens(params: SamplingParams, bad_words_ids: list[list[int]], end_ids: frozenset[int]) -> None:
     """allowed_token_ids that the request's own bans leave some token of: bad words of one token ban
     theirs everywhere, min_tokens bans the end tokens (`end_ids`) at the first positions."""

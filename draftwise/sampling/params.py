@@ -16,7 +16,8 @@ def check_seed(seed, name: str = "seed") -> None:
     if seed is not None and (not _is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise InvalidParameterError(f"{name} must be an integer from -2**63 to 2**64 - 1, got {seed!r}")
 MAX_TOP_K = (1 << 63) - 1  # what the sampler's int64 top-k tensor holds (past the vocabulary: no cut)
-MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (OpenAI's and vLLM's limit)
+MAX_LOGPROBS = 20  # most likely tokens asked for at each position: LLM(max_logprobs=)'s default and the server's limit
+ALL_LOGPROBS = -1  # logprobs / prompt_logprobs: every token of the vocabulary (vLLM's -1)
 MAX_SAMPLES = 16  # n and best_of at most
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
@@ -33,8 +34,11 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (text "", no stop strings, logprobs' decoded_token None)
     # what the output must match (a JSON Schema, a regex, a choice, a grammar); a dict of its fields is taken too
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name for structured_outputs (its GuidedDecodingParams): moved there when made
+    guided_decoding: StructuredOutputsParams | None = None
     # logits processors (`sampling.processors`), applied at every position speculation verifies
     presence_penalty: float = 0.0  # minus this for each token already in the output, in [-2, 2]
     frequency_penalty: float = 0.0  # minus this times its count in the output, in [-2, 2]
@@ -44,14 +48,18 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     min_tokens: int = 0  # EOS and stop_token_ids banned, stop strings not looked for, until this many tokens
     bad_words: list[str] | None = None  # words never generated (each, and with a leading space)
-    logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely
-    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the N most likely
+    logprobs: int | None = None  # None: none; N: each generated token's logprob and the N most likely (-1: all)
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's logprob and the N most likely (-1: all)
     # k: only the prompt's last k tokens are read (-1: as many as leave room for max_tokens)
     truncate_prompt_tokens: int | None = None
     n: int = 1  # samples returned per prompt
     best_of: int | None = None  # samples generated per prompt (>= n), the n most likely returned
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidParameterError("pass structured_outputs or guided_decoding (vLLM's older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -74,12 +82,15 @@ class SamplingParams:
             raise InvalidParameterError(f"stop must be non-empty strings, got {self.stop!r}")
         for i, stop in enumerate(self.stop):
             check_text(stop, f"stop[{i}]")
+        if self.stop and self.detokenize is False:
+            raise InvalidParameterError("stop strings are looked for in the text, and detokenize=False makes none: "
+                                        "use stop_token_ids, or detokenize=True")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidParameterError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])  # (None: vLLM's default)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidParameterError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -115,10 +126,11 @@ class SamplingParams:
             if not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise InvalidParameterError("bad_words must be a list of non-empty strings")
             self.bad_words = [check_text(w, "bad_words") for w in self.bad_words] or None
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise InvalidParameterError(f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, "
-                                        f"got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):  # (how many an LLM gives: its max_logprobs)
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < ALL_LOGPROBS):
+                raise InvalidParameterError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, "
+                                            f"got {value!r}")
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
                                                         or not (self.truncate_prompt_tokens == -1
                                                                 or self.truncate_prompt_tokens >= 1)):
@@ -128,8 +140,6 @@ class SamplingParams:
             raise InvalidParameterError(f"n must be an integer from 1 to {MAX_SAMPLES}, got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
             raise InvalidParameterError(f"best_of must be an integer from n to {MAX_SAMPLES}, got {self.best_of!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidParameterError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

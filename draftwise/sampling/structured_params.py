@@ -73,6 +73,9 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name (SamplingParams.guided_decoding)
+
+
 def _given(value) -> bool:
     """A constraint field set (json_object=False is the flag off; json=0 is a value, refused as a schema)."""
     return value is not None and value is not False

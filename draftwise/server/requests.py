@@ -310,6 +310,10 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, limits: Serve
     if body.prompt_logprobs is not None and body.stream:  # (vLLM's rule: they come with the whole answer)
         raise RequestError(400, "prompt_logprobs cannot stream: ask without stream", "prompt_logprobs",
                            "unsupported_parameter")
+    for name in ("logprobs", "prompt_logprobs"):  # (the server's cap: the LLM's may be raised for the library)
+        value = getattr(body, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= MAX_LOGPROBS:
+            raise RequestError(400, f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value}", name)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > limits.max_stop_sequences:
         raise RequestError(400, f"stop holds {len(stop)} sequences; at most {limits.max_stop_sequences}", "stop")

@@ -94,6 +94,15 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, special tokens as written (a logprob's `decoded_token`); the whole
+        vocabulary decoded at the first call, for requests that list every token's logprob."""
+        return self._token_texts[token_id] if token_id < len(self._token_texts) else ""
+
+    @cached_property
+    def _token_texts(self) -> list[str]:
+        return self._tokenizer.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (a byte-level BPE token may hold part of a character)."""
         token = self.id_to_token(token_id)
