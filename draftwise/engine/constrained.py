@@ -23,7 +23,7 @@ import torch
 
 from draftwise.engine.sequence import Sequence
 from draftwise.speculative.proposer import Draft
-from draftwise.structured.masks import allowed_tokens, fill_masks
+from draftwise.structured.masks import fill_masks, refusal_bias
 
 _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
@@ -94,15 +94,15 @@ class PendingMasks:
 
     def apply(self, target_logits: torch.Tensor) -> torch.Tensor:
         """target_logits [B, K+1, V] with every constrained row's disallowed tokens at -inf (a new
-        tensor; the pass's own logits are left as they are)."""
+        tensor; the pass's own logits are left as they are: logprobs are the raw model's)."""
         if self._future is None:
             return target_logits
-        allowed = allowed_tokens(self._future.result(), self.vocab_size)  # [R * width, V]
-        allowed = allowed.view(len(self.rows), self.width, -1).to(target_logits.device)
+        bias = refusal_bias(self._future.result(), target_logits.shape[-1], target_logits.device)  # [R * width, V]
         width = min(self.width, target_logits.shape[1])
-        keep = torch.ones(target_logits.shape, dtype=torch.bool, device=target_logits.device)  # [B, K+1, V]
-        keep[self.rows, :width] = allowed[:, :width, :target_logits.shape[-1]]
-        return target_logits.masked_fill(~keep, float("-inf"))
+        masked = target_logits.clone()
+        for r, b in enumerate(self.rows):
+            masked[b, :width] += bias[r * self.width:r * self.width + width]  # (-inf where refused, else + 0)
+        return masked
 
 
 class DeadPositions:
@@ -117,8 +117,8 @@ class DeadPositions:
         self.rows = [b for b, seq in enumerate(batch) if seq.grammar is not None or seq.params.allowed_token_ids]
         self._first: torch.Tensor | None = None
         self._first_of_row: dict[int, int] | None = None
-        if self.rows:
-            none_left = (logits[self.rows] == float("-inf")).all(-1)  # [R, K+1]
+        if self.rows:  # (each row's maximum: one read of its logits, no copy and no [K+1, V] temporary)
+            none_left = torch.stack([logits[b].amax(-1) for b in self.rows]) == float("-inf")  # [R, K+1]
             self._first = torch.where(none_left.any(-1), none_left.int().argmax(-1), -1)  # [R], -1: none
 
     def get(self, row: int) -> int | None:

@@ -41,6 +41,18 @@ def fill_masks(rows: list[tuple[RequestGrammar, list[int]]], width: int, vocab_s
     return torch.from_numpy(bitmask)  # (shares the array's memory)
 
 
+_BYTE_BIAS = torch.where((torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))  # [256, 8]
+
+
+def refusal_bias(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, W] int32 bitmask -> [N, V] float32 on `device`: 0 where the token is allowed, -inf where
+    refused, to add to logits. Each byte of the mask looks up its 8 values in a table (one gather;
+    unpacking the bits to a bool mask and filling by it took 6-9x as long on the CPU)."""
+    as_bytes = bitmask.contiguous().view(torch.uint8).to(device=device, dtype=torch.long)  # [N, 4 W]
+    bias = torch.nn.functional.embedding(as_bytes, _BYTE_BIAS.to(device))  # [N, 4 W, 8]
+    return bias.view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N, W] int32 bitmask -> [N, V] bool, True where the token is allowed. (Little-endian words
     read as bytes: token 8 b + j is bit j of byte b.)"""
