@@ -10,7 +10,7 @@ from draftwise.sampling.processors import RowHistory, needs_processing, process_
 from draftwise.sampling.sampler import SamplingBatch, sample_from_probs, sampling_probs
 from draftwise.speculative.proposer import Draft
 from draftwise.speculative.sequence import SequenceState
-from draftwise.structured.masks import allowed_tokens, fill_masks
+from draftwise.structured.masks import fill_masks, refusal_bias
 
 
 def draft_autoregressively(runner: ModelRunner, rows: list[int], seqs: list[SequenceState], num_tokens: list[int],
@@ -127,9 +127,8 @@ class GrammarDrafting:
             return logits
         vocab = logits.shape[-1]
         bitmask = fill_masks([(self.grammars[live[i]], []) for i in constrained], 1, vocab)
-        allowed = allowed_tokens(bitmask, vocab).to(logits.device)  # [c, V]
         index = torch.tensor(constrained, device=logits.device)
-        masked = logits[index].masked_fill(~allowed, float("-inf"))
+        masked = logits[index] + refusal_bias(bitmask, vocab, logits.device)  # [c, V]: -inf where refused
         reachable = torch.isfinite(masked).any(dim=-1, keepdim=True)
         out = logits.clone()
         out[index] = torch.where(reachable, masked, logits[index])
