@@ -380,3 +380,29 @@ def test_logprobs_minus_one_lists_the_whole_vocabulary(tiny_qwen):
         assert sorted(lp.rank for lp in whole.values())[:3] == [1, 2, 3]
     token = every.token_ids[0]
     assert every.logprobs[0][token].decoded_token == llm.tokenizer.decode([token], skip_special_tokens=False)
+
+
+# --- LLM(tokenizer=...) -----------------------------------------------------------------------------
+def test_a_tokenizer_folder_is_read_instead_of_the_models(tiny_qwen, tmp_path):
+    import json
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    shutil.copy(tiny_qwen / "tokenizer.json", folder / "tokenizer.json")
+    config = json.loads((tiny_qwen / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PLAIN_TEMPLATE}))
+    own = build(tiny_qwen, tokenizer=str(tiny_qwen))
+    assert own.tokenizer.path.parent == tiny_qwen and own.tokenizer.chat_template != PLAIN_TEMPLATE
+    for given in (folder, folder / "tokenizer.json"):
+        llm = build(tiny_qwen, tokenizer=str(given))
+        assert llm.tokenizer.path == folder / "tokenizer.json" and llm.tokenizer.chat_template == PLAIN_TEMPLATE
+        assert llm.chat(HI, GREEDY, use_tqdm=False)[0].prompt == "user: hi\nassistant:"
+        assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == own.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
+def test_a_tokenizer_that_is_not_there_is_refused_by_name(tiny_qwen, tmp_path):
+    with pytest.raises(InvalidParameterError, match="tokenizer '.*nowhere': no tokenizer.json there"):
+        build(tiny_qwen, tokenizer=str(tmp_path / "nowhere"))
+    from draftwise.cli import main
+
+    assert main(["generate", "hi", "--model", str(tiny_qwen), "--tokenizer", str(tmp_path), "--max-tokens", "1"]) == 2

@@ -11,6 +11,8 @@ from draftwise.quant.apply import QUANTIZATIONS
 
 def add_model_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--model", default=DEFAULT_TARGET, help="known name, GGUF file or HF folder")
+    command.add_argument("--tokenizer", default=None,
+                         help="a Hugging Face tokenizer folder to read instead of the model's own (vLLM's flag)")
     add_speculative_arguments(command)
     command.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                          help="weights: auto = int4 on CPU (Q4_K kept as stored, int8 for wider types)")
@@ -31,7 +33,7 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
 
 def model_keywords(args: argparse.Namespace) -> dict:
     """The `LLM` keywords these flags set."""
-    return dict(device=args.device, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
+    return dict(tokenizer=getattr(args, "tokenizer", None), device=args.device, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
                 enforce_eager=args.enforce_eager, step_mode=args.step_mode,
                 enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                 prompt_kernels={"auto": None, "on": True, "off": False}[getattr(args, "prompt_kernels", "auto")])

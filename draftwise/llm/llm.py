@@ -30,7 +30,7 @@ from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, chec
                                     request_speculation, truncated, without_idle_top_k)
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
-from draftwise.loading.resolve import resolve_model
+from draftwise.loading.resolve import resolve_model, tokenizer_folder
 from draftwise.runner.model_runner import DEFAULT_BLOCK_SIZE, ModelRunner
 from draftwise.sampling.params import MAX_LOGPROBS, SamplingParams, check_seed
 from draftwise.sampling.processors import bad_word_ids
@@ -59,6 +59,7 @@ class LLM:
         self,
         model: str = DEFAULT_TARGET,
         *,
+        tokenizer: str | None = None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         max_model_len: int | None = None,
@@ -96,6 +97,8 @@ class LLM:
         seeds its worker's generators; here the stream is the LLM's own, whatever else the process
         draws.) A request with its own SamplingParams.seed draws from noise keyed by that, as before.
         speculative_config: vLLM's name and form of `speculative` (`speculative.config.from_vllm`).
+        tokenizer (vLLM's name): a Hugging Face tokenizer folder read instead of the model's own
+        tokenizer (its vocabulary must fit the model's embedding); None or the model's name: the model's.
         max_logprobs (vLLM's name): the most logprobs or prompt_logprobs a request may ask for (-1: no
         cap, so a request's -1, every token of the vocabulary at each position, is taken).
         tensor_parallel_size (vLLM's name): 1 only; a model runs on one device here (more throughput
@@ -134,7 +137,7 @@ class LLM:
         kernel_builds = start_kernel_builds(self.device.type, progress)  # beside fetching and converting
         self.model_folder = resolve_model(model, progress=progress, load_format=load_format)  # (an error here does not wait for them)
         self.model_name = model
-        self.tokenizer = Tokenizer(self.model_folder)
+        self.tokenizer = Tokenizer(tokenizer_folder(tokenizer, model, self.model_folder))
         positions = read_config(self.model_folder).max_position_embeddings
         if max_model_len is not None and max_model_len > positions:  # (vLLM's rule: said, not shortened)
             raise InvalidParameterError(f"max_model_len {max_model_len} is more than the {positions} positions this "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from draftwise.errors import CacheNotWritableError, ModelNotFoundError
+from draftwise.errors import CacheNotWritableError, InvalidParameterError, ModelNotFoundError
 from draftwise.paths import CACHE_ENV, cache_root
 from draftwise.loading.convert import CONVERTER_VERSION, convert_gguf, is_converted
 from draftwise.loading.fetch import assemble
@@ -64,3 +64,21 @@ def _converted(gguf_path: Path, name: str, progress: bool, config_only: bool) ->
         folder = folder.with_name(folder.name + "-config-only")
         return folder if is_converted(folder) else convert_gguf(gguf_path, folder, progress=progress, weights=False)
     return convert_gguf(gguf_path, folder, progress=progress)
+
+
+def tokenizer_folder(tokenizer: str | None, model: str, model_folder: Path) -> Path:
+    """The folder whose tokenizer an LLM reads (vLLM's `tokenizer`): the model's own (None, or the
+    model's name again), or a Hugging Face tokenizer folder (`tokenizer.json`, with its
+    `tokenizer_config.json` and chat template if it has them), or that `tokenizer.json` itself."""
+    if tokenizer is None or tokenizer == model:
+        return model_folder
+    if not isinstance(tokenizer, (str, Path)):
+        raise InvalidParameterError(f"tokenizer must be a folder's path, got {type(tokenizer).__name__}")
+    path = Path(tokenizer).expanduser()
+    if path.is_file() and path.name == "tokenizer.json":
+        path = path.parent
+    if not (path / "tokenizer.json").is_file():
+        raise InvalidParameterError(f"tokenizer {str(tokenizer)!r}: no tokenizer.json there (give a Hugging Face "
+                                    "tokenizer folder, or leave it out to use the model's own)")
+    return path
+
