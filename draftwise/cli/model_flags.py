@@ -33,7 +33,8 @@ def add_model_arguments(command: argparse.ArgumentParser) -> None:
 
 def model_keywords(args: argparse.Namespace) -> dict:
     """The `LLM` keywords these flags set."""
-    return dict(tokenizer=getattr(args, "tokenizer", None), device=args.device, dtype=args.dtype, quantization=args.quantization, load_format=args.load_format,
+    return dict(tokenizer=getattr(args, "tokenizer", None), device=args.device, dtype=args.dtype,
+                quantization=args.quantization, load_format=args.load_format,
                 enforce_eager=args.enforce_eager, step_mode=args.step_mode,
                 enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
                 prompt_kernels={"auto": None, "on": True, "off": False}[getattr(args, "prompt_kernels", "auto")])
