@@ -156,3 +156,26 @@ def test_an_idle_engine_hands_back_every_thread():
     governor.idle()
     assert machine.threads == 2 and governor.threads == 1  # what it learnt stays
     assert machine.step(governor) == 1
+
+
+def test_every_thread_returns_when_the_load_ends_at_pass_sizes_never_timed_quiet():
+    machine = Machine(QUIET)
+    governor = make(machine)
+    for seconds, steps in ((QUIET, 100), (BUSY, 600)):  # (plain decoding: one token a pass)
+        machine.seconds = seconds
+        for _ in range(steps):
+            machine.step(governor)
+    assert governor.threads == 1
+    machine.seconds = QUIET  # quiet again, and speculation begins: passes of 6 to 40 tokens, never timed quiet
+    sizes = random.Random(1).choices(range(6, 41), k=120)
+    used = [machine.step(governor, num_tokens=n) for n in sizes]
+    assert governor.threads == 2 and used[-8:] == [2] * 8
+    assert used.index(2) <= 40 and used[used.index(2):].count(1) <= 2 * PROBE_STEPS
+
+
+def test_quiet_costs_between_and_past_the_sizes_seen_are_estimated():
+    governor = make(Machine(QUIET))
+    assert governor._quiet_at(4) is None  # (nothing seen quiet yet)
+    governor._quiet = {2: 0.04, 8: 0.10}
+    assert governor._quiet_at(2) == 0.04 and governor._quiet_at(1) == 0.04
+    assert abs(governor._quiet_at(4) - 0.06) < 1e-12 and abs(governor._quiet_at(16) - 0.20) < 1e-12

@@ -98,7 +98,8 @@ class ThreadGovernor:
             if len(recent) >= RECENT // 2:
                 median = statistics.median(recent)
                 self._quiet[num_tokens] = min(self._quiet.get(num_tokens, median), median)
-        ratio = seconds / self._quiet[num_tokens] if num_tokens in self._quiet else None
+        quiet = self._quiet_at(num_tokens)
+        ratio = seconds / quiet if quiet is not None else None
         if ratio is not None:
             self._ratios.setdefault(threads, deque(maxlen=RECENT)).append(ratio)
         if self._probe_left:
@@ -111,6 +112,25 @@ class ThreadGovernor:
         self._since_probe += 1
         if self._should_probe():
             self._probe_left, self._probe, self._since_probe = PROBE_STEPS, [], 0
+
+    def _quiet_at(self, n: int) -> float | None:
+        """The quiet cost of a pass over n tokens: as seen, or between the nearest n seen (linear),
+        or past the largest n seen, that one's cost per token times n (a pass costs at most
+        proportionally more: the comparison stays between counts, each pass divided by the same
+        estimate). Without it, passes at an n first met on one thread (speculation beginning, a
+        batch growing) would teach nothing: a probe of all threads gathers no evidence, fails, and
+        one thread is kept after the load has gone (the likeliest cause of a benchmark at 8 in flight
+        seen once running ~1.75x slow for minutes after a short load, BENCHMARKS.md)."""
+        if n in self._quiet:
+            return self._quiet[n]
+        below = max((m for m in self._quiet if m < n), default=None)
+        above = min((m for m in self._quiet if m > n), default=None)
+        if below is None:
+            return self._quiet[above] if above is not None else None  # (fewer tokens cost no more)
+        if above is None:
+            return self._quiet[below] * n / below
+        share = (n - below) / (above - below)
+        return self._quiet[below] + share * (self._quiet[above] - self._quiet[below])
 
     def _should_probe(self) -> bool:
         if self.threads != self.max_threads:
