@@ -30,7 +30,6 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> None:
     from draftwise.llm import LLM
     from draftwise.sampling.params import SamplingParams
-
     from draftwise.text.chat_template import read_chat_template
 
     if args.chat_template is not None and not args.chat:

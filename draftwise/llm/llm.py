@@ -26,8 +26,8 @@ from draftwise.llm.prompt_logprobs import prompt_logprobs
 from draftwise.llm.random_stream import RandomStream
 from draftwise.llm.samples import gathered, per_sample, sample_count
 from draftwise.llm.requests import (TokensPrompt, check_against_vocabulary, check_allowed_tokens, check_chat_options,
-                                    check_logprobs_asked, check_max_tokens_fit, check_messages, check_prompt_ids, prompt_parts,
-                                    request_speculation, truncated, without_idle_top_k)
+                                    check_logprobs_asked, check_max_tokens_fit, check_messages, check_prompt_ids,
+                                    prompt_parts, request_speculation, truncated, without_idle_top_k)
 from draftwise.loading.hf_folder import load_model, read_config
 from draftwise.loading.registry import DEFAULT_TARGET
 from draftwise.loading.resolve import resolve_model, tokenizer_folder

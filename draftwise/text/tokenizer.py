@@ -15,8 +15,8 @@ from draftwise.text.chat_template import ChatTemplate, find_chat_template
 from draftwise.errors import ChatTemplateError, InvalidParameterError, ModelFormatError
 
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # fill-in-the-middle's markers
-# Control tokens that end a turn in common chat formats; they end generation like EOS does.
 MAX_GIVEN_TEMPLATES = 8  # chat_template sources passed in, kept compiled (the oldest goes first)
+# Control tokens that end a turn in common chat formats; they end generation like EOS does.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|end|>",
                       "<end_of_turn>")
 
@@ -46,6 +46,7 @@ class Tokenizer:
                                if self.chat_template else None)
         self._given_templates: dict[str, ChatTemplate] = {}  # chat_template sources passed in, newest last
         self._control_patterns: dict[str, re.Pattern | None] = {}  # per template source
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (`token_text`)
         self.add_bos_token: bool = bool(config.get("add_bos_token", False))
         self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
         special = {token.content: index for index, token in self._tokenizer.get_added_tokens_decoder().items()
@@ -102,10 +103,6 @@ class Tokenizer:
         if text is None:
             text = self._token_texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
-
-    @cached_property
-    def _token_texts(self) -> dict[int, str]:
-        return {}
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (a byte-level BPE token may hold part of a character)."""
