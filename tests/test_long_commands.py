@@ -7,7 +7,7 @@ import pytest
 
 from draftwise.cli import main
 from draftwise.errors import InvalidParameterError
-from draftwise.planner.plan import PlanOptions, recommend
+from draftwise.planner.plan import PlanOptions, drafter_footprint, recommend
 from draftwise.traffic import read_traffic
 
 
@@ -65,6 +65,26 @@ def test_speculation_is_switched_off_only_where_it_pays_at_no_higher_level():
     assert [best[c]["config"] for c in (1, 4, 16)] == ["plain", "ngram", "plain"]
     assert switch_off == 16  # (from 1 on, said before, while it pays at 4)
     assert recommend({"plain": [point(100)], "ngram": [point(150)]}, (1,))[1] is None
+
+
+def test_predictions_within_the_margin_go_to_the_config_adding_least_memory_adaptive_first():
+    # the twenty-seventh session's validation at concurrency 1: draft k=2 predicted 15.10 tok/s,
+    # prompt lookup adaptive 15.08 (0.1% apart), measured 15.47 and 15.55
+    predictions = {"plain": [point(13.55), point(17.33)],
+                   "draft adaptive k<=6": [point(15.00), point(17.87)], "draft k=2": [point(15.10), point(17.0)],
+                   "ngram adaptive k<=6": [point(15.08), point(18.17)], "ngram k=2": [point(14.0), point(18.19)]}
+    footprint = drafter_footprint({"draft": (326 << 20, 24 << 10), "ngram": (0, 0)})
+    best, _ = recommend(predictions, (1, 2), footprint)
+    assert best[1]["config"] == "ngram adaptive k<=6"  # not the 0.1% faster draft k=2
+    assert best[1]["tied"] == ["draft adaptive k<=6", "draft k=2", "ngram adaptive k<=6"]
+    assert best[2]["config"] == "ngram adaptive k<=6"  # not the 0.1% faster fixed k
+    assert best[1]["speedup"] == pytest.approx(15.08 / 13.55)
+    # beyond the margin the fastest wins whatever it holds
+    predictions["draft k=2"][0] = point(15.6)
+    assert recommend(predictions, (1, 2), footprint)[0][1]["config"] == "draft k=2"
+    # an entry with options is matched whole, not by its method's prefix
+    wide = drafter_footprint({"draft": (1, 0), "draft:model=smollm2-135m": (5, 0)})
+    assert wide("draft:model=smollm2-135m k=3") == (5, 0) and wide("draft adaptive k<=6") == (1, 0)
 
 
 def test_an_unusable_output_is_refused_before_any_model_loads(tmp_path, capsys):

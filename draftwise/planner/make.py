@@ -50,8 +50,8 @@ from draftwise.llm import LLM
 from draftwise.planner.fleet import FleetOptions, predict_fleet, share_levels
 from draftwise.planner.measure import PrefillCost, measure_acceptance, plain_requests
 from draftwise.planner.memory import memory_report
-from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, predict, recommend,
-                                    segment_counts, speculative_dict)
+from draftwise.planner.plan import (DrafterFacts, Plan, PlanOptions, cost_report, drafter_footprint, predict,
+                                    recommend, segment_counts, speculative_dict)
 from draftwise.planner.simulate import Policy, simulate
 from draftwise.traffic import read_traffic
 from draftwise.planner.validate import validate
@@ -136,7 +136,8 @@ def _make_plan(options: PlanOptions, progress) -> Plan:
     windows = {facts.method: facts.catch_up_window for facts in drafters}
     predictions = predict(plain_costs, costs_by_method, acceptance_by_method, windows, requests, options, replays,
                           prefill_seconds)
-    best, switch_off = recommend(predictions, options.concurrency)
+    best, switch_off = recommend(predictions, options.concurrency, drafter_footprint(
+        {facts.method: (facts.weights_bytes, facts.kv_bytes_per_token) for facts in drafters}))
     plan = Plan(asdict(options), len(requests), segment_counts(requests), predictions, best, switch_off,
                 drafters, memory_report(llm, drafters, requests), cost_report(best, options), calibration,
                 sample_requests=[asdict(r) for r in requests], step_overhead_seconds=overhead,

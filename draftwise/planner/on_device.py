@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftwise.errors import InvalidParameterError
-from draftwise.planner.plan import PlanOptions, predict, recommend
+from draftwise.planner.plan import PlanOptions, drafter_footprint, predict, recommend
 from draftwise.planner.replay import Replay
 from draftwise.planner.simulate import Acceptance, Request
 from draftwise.speculative.control.cost_model import CostModel
@@ -62,7 +62,8 @@ def predict_on_device(plan_path: Path, costs_folder: Path,
         if facts.get("matches"):
             replays[method] = Replay(tuple(tuple(m) for m in facts["matches"]))
     predictions = predict(plain, costs, acceptance, windows, requests, options, replays)
-    best, switch_off = recommend(predictions, options.concurrency)
+    best, switch_off = recommend(predictions, options.concurrency, drafter_footprint(
+        {facts["method"]: (facts["weights_bytes"], facts["kv_bytes_per_token"]) for facts in plan["drafters"]}))
     return DevicePrediction(str(costs_folder), options.concurrency, predictions, best, switch_off, missing)
 
 

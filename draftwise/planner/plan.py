@@ -14,6 +14,7 @@ from draftwise.speculative.config import MAX_SPECULATIVE_TOKENS
 from draftwise.speculative.registry import all_specs, drafter_spec, option_value
 
 PAYS_MARGIN = 1.02  # speculation "pays" when the best config is at least 2% above plain
+TIE_MARGIN = PAYS_MARGIN  # configs predicted this close to the fastest are not told apart (`recommend`)
 
 
 @dataclass(slots=True)
@@ -146,24 +147,47 @@ def predict(plain_costs, costs_by_method: dict, acceptance_by_method: dict, wind
     return table
 
 
-def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...]) -> tuple[dict[int, dict], int | None]:
+def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...],
+              footprint: Callable[[str], tuple[int, int]] | None = None) -> tuple[dict[int, dict], int | None]:
     """The best config per level, and the level from which on speculation pays at none (None: it pays
-    at the highest; a level where it does not pay below one where it does is no switch-off point)."""
+    at the highest; a level where it does not pay below one where it does is no switch-off point).
+
+    Configs predicted within `TIE_MARGIN` of the fastest are not told apart: the planner's speedups
+    are validated to a few percent (BENCHMARKS.md, the planner sections), and a gain that small is no
+    reason to hold a draft model's weights or to fix k for traffic the sample may not show. Among
+    them the recommendation is the one that adds the least memory (`footprint(config)`: weights
+    bytes, KV bytes per token), then an adaptive k before a fixed one, then the faster prediction.
+    Each level's entry lists those ties (`tied`)."""
     best: dict[int, dict] = {}
     for i, c in enumerate(levels):
         plain = predictions["plain"][i]["tokens_per_second"]
-        name, point = max(((n, p[i]) for n, p in predictions.items()), key=lambda item: item[1]["tokens_per_second"])
-        speedup = point["tokens_per_second"] / plain
-        if speedup < PAYS_MARGIN:
-            name, point, speedup = "plain", predictions["plain"][i], 1.0
-        best[c] = {"config": name, "speedup": speedup, "tokens_per_second": point["tokens_per_second"],
-                   "latency_p95": point["latency_p95"], "plain_tokens_per_second": plain}
+        fastest = max(p[i]["tokens_per_second"] for p in predictions.values())
+        tied = [name for name, p in predictions.items()
+                if name != "plain" and p[i]["tokens_per_second"] * TIE_MARGIN >= fastest]
+        if fastest / plain < PAYS_MARGIN or not tied:
+            name, tied = "plain", []
+        else:
+            name = min(tied, key=lambda n: ((footprint or (lambda _: (0, 0)))(n), "adaptive" not in n,
+                                            -predictions[n][i]["tokens_per_second"]))
+        point = predictions[name][i]
+        best[c] = {"config": name, "speedup": point["tokens_per_second"] / plain,
+                   "tokens_per_second": point["tokens_per_second"], "latency_p95": point["latency_p95"],
+                   "plain_tokens_per_second": plain, "tied": sorted(tied)}
     switch_off = None
     for c in sorted(levels, reverse=True):  # (the lowest level with plain there and at every level above)
         if best[c]["config"] != "plain":
             break
         switch_off = c
     return best, switch_off
+
+
+def drafter_footprint(memory_by_entry: dict[str, tuple[int, int]]) -> Callable[[str], tuple[int, int]]:
+    """config name ("ENTRY adaptive k<=6", "ENTRY k=2") -> (weights bytes, KV bytes per token) its
+    drafter adds, from each drafter entry's memory."""
+    def footprint(config: str) -> tuple[int, int]:
+        entry = max((e for e in memory_by_entry if config.startswith(e + " ")), key=len, default=None)
+        return memory_by_entry[entry] if entry is not None else (0, 0)
+    return footprint
 
 
 def cost_report(best: dict[int, dict], options: PlanOptions) -> dict[int, dict] | None:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from draftwise.planner.fleet import FleetOptions, render_fleet
-from draftwise.planner.plan import PAYS_MARGIN, Plan
+from draftwise.planner.plan import PAYS_MARGIN, TIE_MARGIN, Plan
 from draftwise.planner.validate import measured_fastest
 from draftwise.plots import plot_against_concurrency
 
@@ -25,6 +25,11 @@ def render(plan: Plan) -> str:
         lines.append(f"| {c} | {plain['tokens_per_second']:.1f} | {plain['latency_p95']:.1f} | {b['config']} | "
                      f"{b['tokens_per_second']:.1f} | {b['speedup']:.2f}x | {b['latency_p95']:.1f} |")
     lines.append("")
+    for c, b in plan.best.items():
+        if len(b.get("tied", [])) > 1:
+            lines.append(f"- concurrency {c}: predicted within {TIE_MARGIN - 1:.0%} of the fastest, so not told apart: "
+                         f"{', '.join(b['tied'])}; recommended the one adding the least memory (an adaptive k "
+                         f"before a fixed one).")
     if plan.switch_off_at is None:
         lines.append("Speculation pays at every concurrency measured.")
     else:
@@ -66,7 +71,10 @@ def render(plan: Plan) -> str:
                          f"{row['measured_latency_p95']:.1f} | {row['predicted_latency_p95']:.1f} |")
         lines.append("")
         for c, name in measured_fastest(plan.validation).items():
-            lines.append(f"- concurrency {c}: recommended {plan.best[c]['config']}; measured fastest {name}.")
+            tied = plan.best[c].get("tied", [])
+            among = (f" (one of the {len(tied)} predicted within {TIE_MARGIN - 1:.0%})" if name in tied
+                     and name != plan.best[c]["config"] and len(tied) > 1 else "")
+            lines.append(f"- concurrency {c}: recommended {plan.best[c]['config']}; measured fastest {name}{among}.")
     return "\n".join(lines)
 
 
