@@ -87,6 +87,25 @@ def test_predictions_within_the_margin_go_to_the_config_adding_least_memory_adap
     assert wide("draft:model=smollm2-135m k=3") == (5, 0) and wide("draft adaptive k<=6") == (1, 0)
 
 
+def test_the_report_names_the_ties_and_whether_the_fastest_measured_was_among_them():
+    from draftwise.planner.plan import Plan
+    from draftwise.planner.report import render
+
+    predictions = {"plain": [point(10.0)], "draft k=2": [point(12.1)], "ngram adaptive k<=6": [point(12.0)]}
+    best, switch_off = recommend(predictions, (1,), drafter_footprint({"draft": (1 << 20, 0), "ngram": (0, 0)}))
+    row = {"concurrency": 1, "rounds": 1, "measured_tokens_per_second": 12.5, "predicted_tokens_per_second": 12.1,
+           "error": 0.0, "measured_speedup": 1.25, "predicted_speedup": 1.21, "speedup_error": 0.0,
+           "measured_latency_p95": 1.0, "predicted_latency_p95": 1.0}
+    plan = Plan({"traffic": "t.jsonl", "concurrency": (1,)}, 8, {"code": 8}, predictions, best, switch_off, [], {}, None,
+                validation=[{**row, "config": "plain", "measured_speedup": 1.0},
+                            {**row, "config": "ngram adaptive k<=6", "measured_speedup": 1.1},
+                            {**row, "config": "draft k=2"}])
+    text = render(plan)
+    assert "| 1 | 10.0 | 1.0 | ngram adaptive k<=6 | 12.0 | 1.20x |" in text
+    assert "not told apart: draft k=2, ngram adaptive k<=6; recommended the one adding the least memory" in text
+    assert "recommended ngram adaptive k<=6; measured fastest draft k=2 (one of the 2 predicted within 2%)." in text
+
+
 def test_an_unusable_output_is_refused_before_any_model_loads(tmp_path, capsys):
     taken = tmp_path / "a-file"
     taken.write_text("x")

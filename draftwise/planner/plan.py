@@ -158,6 +158,7 @@ def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...],
     them the recommendation is the one that adds the least memory (`footprint(config)`: weights
     bytes, KV bytes per token), then an adaptive k before a fixed one, then the faster prediction.
     Each level's entry lists those ties (`tied`)."""
+    footprint = footprint or (lambda config: (0, 0))
     best: dict[int, dict] = {}
     for i, c in enumerate(levels):
         plain = predictions["plain"][i]["tokens_per_second"]
@@ -167,8 +168,7 @@ def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...],
         if fastest / plain < PAYS_MARGIN or not tied:
             name, tied = "plain", []
         else:
-            name = min(tied, key=lambda n: ((footprint or (lambda _: (0, 0)))(n), "adaptive" not in n,
-                                            -predictions[n][i]["tokens_per_second"]))
+            name = min(tied, key=lambda n: (footprint(n), "adaptive" not in n, -predictions[n][i]["tokens_per_second"]))
         point = predictions[name][i]
         best[c] = {"config": name, "speedup": point["tokens_per_second"] / plain,
                    "tokens_per_second": point["tokens_per_second"], "latency_p95": point["latency_p95"],

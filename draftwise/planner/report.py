@@ -25,11 +25,10 @@ def render(plan: Plan) -> str:
         lines.append(f"| {c} | {plain['tokens_per_second']:.1f} | {plain['latency_p95']:.1f} | {b['config']} | "
                      f"{b['tokens_per_second']:.1f} | {b['speedup']:.2f}x | {b['latency_p95']:.1f} |")
     lines.append("")
-    for c, b in plan.best.items():
-        if len(b.get("tied", [])) > 1:
-            lines.append(f"- concurrency {c}: predicted within {TIE_MARGIN - 1:.0%} of the fastest, so not told apart: "
-                         f"{', '.join(b['tied'])}; recommended the one adding the least memory (an adaptive k "
-                         f"before a fixed one).")
+    ties = [f"- concurrency {c}: predicted within {TIE_MARGIN - 1:.0%} of the fastest, so not told apart: "
+            f"{', '.join(b['tied'])}; recommended the one adding the least memory (an adaptive k before a fixed one)."
+            for c, b in plan.best.items() if len(b.get("tied", [])) > 1]
+    lines += ties + ([""] if ties else [])
     if plan.switch_off_at is None:
         lines.append("Speculation pays at every concurrency measured.")
     else:
