@@ -168,7 +168,8 @@ def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...],
         if fastest / plain < PAYS_MARGIN or not tied:
             name, tied = "plain", []
         else:
-            name = min(tied, key=lambda n: (footprint(n), "adaptive" not in n, -predictions[n][i]["tokens_per_second"]))
+            name = min(tied, key=lambda n: (footprint(n), not is_adaptive(n),
+                                            -predictions[n][i]["tokens_per_second"]))
         point = predictions[name][i]
         best[c] = {"config": name, "speedup": point["tokens_per_second"] / plain,
                    "tokens_per_second": point["tokens_per_second"], "latency_p95": point["latency_p95"],
@@ -179,6 +180,13 @@ def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...],
             break
         switch_off = c
     return best, switch_off
+
+
+def is_adaptive(config: str) -> bool:
+    """Whether a config name ends in an adaptive policy ("ENTRY adaptive k<=6", as `Policy.name`
+    makes it): read from the policy part, so that an entry with options ("draft:adaptive=false k=2")
+    is not taken for one."""
+    return config.rpartition(" adaptive k<=")[2].isdigit()
 
 
 def drafter_footprint(memory_by_entry: dict[str, tuple[int, int]]) -> Callable[[str], tuple[int, int]]:
