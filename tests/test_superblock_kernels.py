@@ -110,7 +110,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
                            (pack_q4k_strips(*random_q4k(n, k)), "q4k_matmul_q8")):
         matmul = getattr(native_kernels(), kernel)
         batch = matmul(x, strips, n)
-        for rows in (slice(0, 1), slice(3, 11), slice(0, 64)):
+        for rows in (slice(0, 1), slice(0, 3), slice(5, 9), slice(3, 11), slice(0, 64)):  # (tiles of 1, 3, 4, 8 rows)
             assert torch.equal(matmul(x[rows].contiguous(), strips, n), batch[rows]), (kernel, rows)
 
 

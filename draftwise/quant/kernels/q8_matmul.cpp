@@ -65,13 +65,17 @@ constexpr int64_t kRowBlock = 64;
 // from memory: L1 for the nibble formats, int4 and Q4_K (L2 measured 0.91-1.01x and 0.77-0.88x: the
 // tile's loads then wait on L2); L2 for the wider groups, Q6_K's 416 bytes and int8's 512 (1.07-1.24x
 // and 1.18-1.32x: 16 of them ahead crowd the tile's activations out of L1).
+// Where "few" ends is the format's (`kFewRows`): 4 rows, except Q4_K, which takes the many-rows
+// prefetch from 3 rows (measured on the AMD EPYC of 2026-11-30, weights streamed, two builds
+// interleaved in one process: 17920x1536 1.02-1.06x at 3-4 rows, 1536x8960 1.16-1.25x; a 4-row
+// tile had cost more than a 5-row one, and so had a whole 4-token pass of the 1.5B. The int4
+// strips measured 0.86-0.90x that way at 3-4 rows on the 0.5B's 9728x896: they keep 4.)
 #ifndef PREFETCH_FEW_ROWS_GROUPS
 #define PREFETCH_FEW_ROWS_GROUPS 8
 #endif
 #ifndef PREFETCH_MANY_ROWS_GROUPS
 #define PREFETCH_MANY_ROWS_GROUPS 16
 #endif
-constexpr int kFewRows = 4;
 
 // x float [M, K] -> p int8 [M, K]; scale a float [M, K/32]; offset float [M, K/32] = a * sum(p).
 // A group holding NaN or inf (x * 0 is NaN exactly for those) gets p = 0 and a NaN scale and offset:
@@ -118,6 +122,7 @@ struct PlainGroups {  // a strip's groups one after another, nothing per super-b
   static constexpr int64_t kGroupBytes = GroupBytes;
   static constexpr bool kHalves = false;
   static constexpr auto kManyRowsHint = _MM_HINT_T0;
+  static constexpr int kFewRows = 4;  // tiles of up to this many rows prefetch as few rows do
   static const uint8_t* group_data(const uint8_t* packed, int64_t strip, int64_t groups, int64_t g) {
     return packed + (strip * groups + g) * kGroupBytes;
   }
@@ -165,6 +170,7 @@ struct SuperBlocks {
   static constexpr int64_t kHeaderBytes = Header, kBlockBytes = Header + 8 * Group;
   static constexpr int64_t kGroupBytes = Group;  // (the prefetch distance's unit)
   static constexpr auto kManyRowsHint = _MM_HINT_T0;
+  static constexpr int kFewRows = 4;  // tiles of up to this many rows prefetch as few rows do
   static const uint8_t* group_data(const uint8_t* packed, int64_t strip, int64_t groups, int64_t g) {
     return packed + (strip * (groups / 8) + g / 8) * kBlockBytes + Header + (g % 8) * Group;
   }
@@ -181,6 +187,7 @@ inline __m512 signed_bytes(const uint8_t* bytes) {  // 16 bytes -128..127 -> flo
 
 struct Q4KStrips : SuperBlocks<64, 4 * 64 + 2 * 16> {
   static constexpr bool kHalves = false;
+  static constexpr int kFewRows = 2;
   const uint8_t* packed;
   __m512 d, dmin, scales, minimums;
   void start(const uint8_t* block, int64_t g) {
@@ -254,8 +261,8 @@ struct Rows {  // the quantized activations of a tile's first row
 template <typename Format, int S, int R>
 void tile(const Format& w, const Rows& x, int64_t strip0, int64_t n, float* out) {
   constexpr int64_t bytes = Format::kGroupBytes;
-  constexpr auto hint = R <= kFewRows ? _MM_HINT_T1 : Format::kManyRowsHint;
-  constexpr int64_t ahead = (R <= kFewRows ? PREFETCH_FEW_ROWS_GROUPS : PREFETCH_MANY_ROWS_GROUPS) * bytes;
+  constexpr auto hint = R <= Format::kFewRows ? _MM_HINT_T1 : Format::kManyRowsHint;
+  constexpr int64_t ahead = (R <= Format::kFewRows ? PREFETCH_FEW_ROWS_GROUPS : PREFETCH_MANY_ROWS_GROUPS) * bytes;
   const int64_t groups = x.groups;
   __m512 acc[S][R];
   for (int s = 0; s < S; ++s)
