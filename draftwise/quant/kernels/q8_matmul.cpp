@@ -67,7 +67,7 @@ constexpr int64_t kRowBlock = 64;
 // and 1.18-1.32x: 16 of them ahead crowd the tile's activations out of L1).
 // Where "few" ends is the format's (`kFewRows`): 4 rows, except Q4_K, which takes the many-rows
 // prefetch from 3 rows (measured on the AMD EPYC of 2026-11-30, weights streamed, two builds
-// interleaved in one process: 17920x1536 1.02-1.06x at 3-4 rows, 1536x8960 1.16-1.25x; a 4-row
+// interleaved in one process: 17920x1536 1.02-1.08x at 3-4 rows, 1536x8960 1.16-1.27x; a 4-row
 // tile had cost more than a 5-row one, and so had a whole 4-token pass of the 1.5B. The int4
 // strips measured 0.86-0.90x that way at 3-4 rows on the 0.5B's 9728x896: they keep 4.)
 #ifndef PREFETCH_FEW_ROWS_GROUPS
