@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from draftwise.planner.replay import Replay
-from draftwise.planner.simulate import Policy, Request, simulate
+from draftwise.planner.simulate import Policy, Request, is_adaptive, simulate
 from draftwise.errors import InvalidParameterError
 from draftwise.speculative.config import MAX_SPECULATIVE_TOKENS
 from draftwise.speculative.registry import all_specs, drafter_spec, option_value
@@ -180,13 +180,6 @@ def recommend(predictions: dict[str, list[dict]], levels: tuple[int, ...],
             break
         switch_off = c
     return best, switch_off
-
-
-def is_adaptive(config: str) -> bool:
-    """Whether a config name ends in an adaptive policy ("ENTRY adaptive k<=6", as `Policy.name`
-    makes it): read from the policy part, so that an entry with options ("draft:adaptive=false k=2")
-    is not taken for one."""
-    return config.rpartition(" adaptive k<=")[2].isdigit()
 
 
 def drafter_footprint(memory_by_entry: dict[str, tuple[int, int]]) -> Callable[[str], tuple[int, int]]:

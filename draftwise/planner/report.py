@@ -8,6 +8,7 @@ from pathlib import Path
 
 from draftwise.planner.fleet import FleetOptions, render_fleet
 from draftwise.planner.plan import PAYS_MARGIN, TIE_MARGIN, Plan
+from draftwise.planner.simulate import Policy
 from draftwise.planner.validate import measured_fastest
 from draftwise.plots import plot_against_concurrency
 
@@ -78,7 +79,7 @@ def render(plan: Plan) -> str:
 
 
 def plot(plan: Plan, path: Path) -> None:
-    names = ["plain"] + [f"{d.method} adaptive k<={plan.options['max_k']}" for d in plan.drafters]
+    names = ["plain"] + [f"{d.method} {Policy(plan.options['max_k'], adaptive=True).name}" for d in plan.drafters]
     series = {name: ([p["tokens_per_second"] for p in plan.predictions[name]],
                      [p["latency_p95"] for p in plan.predictions[name]]) for name in names}
     plot_against_concurrency(series, list(plan.options["concurrency"]), path,

@@ -95,6 +95,9 @@ SAMPLE_ROUNDS_PER_CLIENT = 2  # requests each client sends where the clients out
 NO_DRAFTS = Acceptance(conditional=(), propose_rate=0.0)
 
 
+ADAPTIVE_NAME = "adaptive k<="  # an adaptive policy's name, before its largest k
+
+
 @dataclass(slots=True)
 class Policy:
     """`k=0`: plain decoding; `adaptive`: the engine's controller chooses k in 0..k each step."""
@@ -103,7 +106,14 @@ class Policy:
 
     @property
     def name(self) -> str:
-        return "plain" if self.k == 0 else (f"adaptive k<={self.k}" if self.adaptive else f"k={self.k}")
+        return "plain" if self.k == 0 else (f"{ADAPTIVE_NAME}{self.k}" if self.adaptive else f"k={self.k}")
+
+
+def is_adaptive(config: str) -> bool:
+    """Whether a config name ("ENTRY adaptive k<=6", "ENTRY k=2": an entry, then a `Policy.name`)
+    ends in an adaptive policy: read from the policy part, so that an entry with options
+    ("draft:adaptive=false k=2") is not taken for one."""
+    return config.rpartition(f" {ADAPTIVE_NAME}")[2].isdigit()
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from draftwise.planner.plan import Plan, PlanOptions, speculative_dict
-from draftwise.planner.simulate import Request
+from draftwise.planner.simulate import Policy, Request
 
 
 def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptions, progress) -> list[dict]:
@@ -27,7 +27,7 @@ def validate(llm, items, requests: list[Request], plan: Plan, options: PlanOptio
     segments = [item.segment or None for item in items]
     lengths = [r.output_tokens for r in requests]  # the plain run's lengths: the same tokens, EOS included
     levels = [c for c in options.concurrency if c <= options.validate_max_concurrency]
-    adaptive = {f"{method} adaptive k<={options.max_k}":
+    adaptive = {f"{method} {Policy(options.max_k, adaptive=True).name}":
                 {**speculative_dict(method, options), "num_speculative_tokens": options.max_k}
                 for method in options.drafters}
     rows = []
